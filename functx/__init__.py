@@ -1,0 +1,12 @@
+"""functx: JAX-style composable function transforms for PyTorch.
+
+The public API mirrors `torch.func`: replacing `torch.func` by `functx` in working code
+keeps it working.
+"""
+
+from .core import PerformanceWarning, set_vmap_fallback, vmap_fallback
+from .vmap import vmap
+
+__version__ = "0.1.0"
+
+__all__ = ["vmap", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]

@@ -1,0 +1,19 @@
+"""The dispatcher: interpreter stack, level tensors, rule tables. Imports no transform."""
+
+from .config import set_vmap_fallback, vmap_fallback
+from .errors import PerformanceWarning
+from .interpreter import Interpreter, current_stack, interpreting, top_interpreter
+from .level_tensor import LevelTensor
+from .rules import RuleTable
+
+__all__ = [
+    "Interpreter",
+    "LevelTensor",
+    "PerformanceWarning",
+    "RuleTable",
+    "current_stack",
+    "interpreting",
+    "set_vmap_fallback",
+    "top_interpreter",
+    "vmap_fallback",
+]

@@ -1,0 +1,75 @@
+"""The interpreter stack: one interpreter per active transform, each with a unique level.
+
+Levels come from a process-wide counter and are never reused, so a value from a finished
+transform can never be confused with one from a later transform (no perturbation
+confusion). The stack itself is per thread: two threads running transforms do not see
+each other's levels. Level tensors carry their interpreter object, so code that runs on
+another thread for them (torch's autograd engine) finds the interpreter from the data,
+not from the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+
+_level_counter = itertools.count(1)
+
+
+class _ThreadStack(threading.local):
+    def __init__(self):
+        self.interpreters: list[Interpreter] = []
+
+
+_stack = _ThreadStack()
+
+
+class Interpreter:
+    """Base class of a transform's interpreter: a level on the stack plus a `process` method.
+
+    `process(op, args, kwargs)` runs one ATen op whose arguments hold level tensors of
+    this level (and maybe values from lower levels); it must return the op's result
+    with this level's outputs wrapped.
+    """
+
+    kind = "interpreter"
+    __slots__ = ("level", "alive", "__weakref__")
+
+    def __init__(self):
+        self.level = next(_level_counter)
+        self.alive = True
+
+    def process(self, op, args, kwargs):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self):
+        state = "" if self.alive else ", dead"
+        return f"{type(self).__name__}(level={self.level}{state})"
+
+
+def current_stack() -> tuple[Interpreter, ...]:
+    """The live interpreters of this thread, innermost last."""
+    return tuple(_stack.interpreters)
+
+
+def top_interpreter() -> Interpreter | None:
+    """The innermost live interpreter of this thread, or None outside every transform."""
+    interpreters = _stack.interpreters
+    return interpreters[-1] if interpreters else None
+
+
+@contextlib.contextmanager
+def interpreting(interpreter: Interpreter):
+    """Push `interpreter` for the duration of the block; on any exit, pop it and mark it dead.
+
+    The stack is restored to exactly what it was, even when the block raises.
+    """
+    interpreters = _stack.interpreters
+    depth = len(interpreters)
+    interpreters.append(interpreter)
+    try:
+        yield interpreter
+    finally:
+        interpreter.alive = False
+        del interpreters[depth:]

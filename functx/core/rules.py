@@ -1,0 +1,110 @@
+"""Rule tables: one per transform, keyed by ATen `OpOverload`.
+
+Family files fill a table with `@table.register(aten.sin.default, ...)`. When the
+dispatcher meets an op, the table resolves a handler once and caches it:
+
+1. the registered rule;
+1b. a template whose predicate accepts the op (e.g. every `Tag.pointwise` op);
+2. a `torch._decomp` decomposition, re-dispatched (its ops come back through the levels);
+3. the transform's fallback (vmap: a per-sample loop), if it has one;
+4. a handler that raises `NotImplementedError` naming the op and the transform.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch._decomp
+
+from .errors import op_name
+
+_decompositions = torch._decomp.decomposition_table
+
+
+def decomposition_for(op):
+    """The `torch._decomp` decomposition of `op`, or None."""
+    return _decompositions.get(op)
+
+
+def overloads(*ops):
+    """Expand OpOverloadPackets (`aten.add`) into their overloads; pass overloads through."""
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for name in op.overloads():
+                yield getattr(op, name)
+        else:
+            yield op
+
+
+class RuleTable:
+    """Rules of one transform. `handler(op)` is the dispatch-time lookup (cached)."""
+
+    def __init__(self, transform: str, fallback: Callable | None = None):
+        self.transform = transform
+        self.rules: dict = {}
+        self.fallback = fallback
+        self.templates: list = []
+        self._handlers: dict = {}
+
+    def add_template(self, predicate, factory):
+        """Ops without a registered rule for which `predicate(op)` holds get `factory(op)`."""
+        self.templates.append((predicate, factory))
+        self._handlers.clear()
+
+    def register(self, *ops):
+        """Decorator registering one rule for several ops (packets expand to all overloads)."""
+
+        def decorate(rule):
+            for op in overloads(*ops):
+                self.rules[op] = rule
+                self._handlers.pop(op, None)
+            return rule
+
+        return decorate
+
+    def set(self, op, rule):
+        """Register `rule` for one op (the functional form of `register`)."""
+        self.rules[op] = rule
+        self._handlers.pop(op, None)
+
+    def handler(self, op):
+        handler = self._handlers.get(op)
+        if handler is None:
+            handler = self._handlers[op] = self._resolve(op)
+        return handler
+
+    def how(self, op) -> str:
+        """How `op` is handled: "rule", "template", "decomposition", "fallback" or "missing"."""
+        if op in self.rules:
+            return "rule"
+        if any(predicate(op) for predicate, _ in self.templates):
+            return "template"
+        if decomposition_for(op) is not None:
+            return "decomposition"
+        return "fallback" if self.fallback is not None else "missing"
+
+    def _resolve(self, op):
+        rule = self.rules.get(op)
+        if rule is not None:
+            return rule
+        for predicate, factory in self.templates:
+            if predicate(op):
+                return factory(op)
+        decomposition = decomposition_for(op)
+        if decomposition is not None:
+            return lambda interp, *args, **kwargs: decomposition(*args, **kwargs)
+        if self.fallback is not None:
+            return self.fallback(op)
+        return self._missing(op)
+
+    def _missing(self, op):
+        message = (
+            f"functx.{self.transform}: there is no rule for {op_name(op)} and no "
+            f"decomposition of it in torch._decomp. Please file an issue naming this op."
+        )
+
+        def missing(interp, *args, **kwargs):
+            raise NotImplementedError(message)
+
+        return missing

@@ -1,0 +1,93 @@
+"""`BatchedTensor` (vmap's level tensor) and `VmapInterpreter` (vmap's level).
+
+A BatchedTensor's `_value` always holds the batch dimension at position 0; its logical
+shape, the one user code sees, is `_value.shape[1:]`. Keeping the batch dim in front lets
+view rules return views of `_value`, so writes through views land where they should.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.interpreter import Interpreter
+from ..core.level_tensor import LevelTensor
+from ..core.rules import RuleTable
+
+_restore_autograd = torch._C._RestorePythonTLSSnapshot
+
+
+class BatchedTensor(LevelTensor):
+    """A tensor inside `functx.vmap`: one value per batch element, batch dim first."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, interp: "VmapInterpreter"):
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            value.shape[1:],
+            value.stride()[1:],
+            value.storage_offset(),
+            dtype=value.dtype,
+            device=value.device,
+            layout=value.layout,
+            requires_grad=False,
+        )
+        wrapper._value = value
+        wrapper._interp = interp
+        return wrapper
+
+    def __repr__(self):
+        return f"BatchedTensor(level={self._interp.level}, value={self._value!r})"
+
+    __str__ = __repr__
+
+
+class VmapInterpreter(Interpreter):
+    """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
+
+    kind = "vmap"
+    __slots__ = ("batch_size", "randomness")
+
+    def __init__(self, batch_size: int, randomness: str):
+        super().__init__()
+        self.batch_size = batch_size
+        self.randomness = randomness
+
+    def process(self, op, args, kwargs):
+        handler = VMAP_RULES.handler(op)
+        # Autograd is switched off inside __torch_dispatch__; rules run with it restored
+        # so that the values they compute on (plain tensors that require grad, lower
+        # grad levels) record their own graphs.
+        with _restore_autograd():
+            return handler(self, *args, **kwargs)
+
+    # -- helpers used by every rule ------------------------------------------------
+    def is_batched(self, x) -> bool:
+        return type(x) is BatchedTensor and x._interp is self
+
+    def unwrap(self, x):
+        """Physical value (batch dim 0) of this level's tensors; anything else as is."""
+        return x._value if type(x) is BatchedTensor and x._interp is self else x
+
+    def wrap(self, value):
+        return BatchedTensor(value, self)
+
+    def wrap_all(self, out):
+        """Wrap every tensor in an op result (tensor, tuple/list of tensors, or other)."""
+        if isinstance(out, torch.Tensor):
+            return BatchedTensor(out, self)
+        if type(out) is tuple or type(out) is list:
+            return type(out)(BatchedTensor(o, self) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+    def unwrap_dead(self, x):
+        return x._value
+
+
+def _fallback_factory(op):
+    from .fallback import loop_fallback
+
+    return loop_fallback(op)
+
+
+VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory)
+"""The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""

@@ -1,0 +1,105 @@
+"""The per-sample loop: vmap's last resort for an op with no rule and no decomposition.
+
+Correct for any op whose outputs are tensors, at the cost of one call per batch element.
+It warns once per op (`functx.PerformanceWarning`) so the missing rule gets noticed;
+`functx.set_vmap_fallback("error")` turns it into an error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..core import config
+from ..core.errors import PerformanceWarning, op_name
+
+_warned: set = set()
+
+
+def _is_write(argument) -> bool:
+    info = argument.alias_info
+    return info is not None and info.is_write
+
+
+def loop_fallback(op):
+    schema = op._schema
+    name = op_name(op)
+    mutated = [i for i, a in enumerate(schema.arguments) if _is_write(a) and not a.kwarg_only]
+    writes_out = any(_is_write(a) and a.kwarg_only for a in schema.arguments)
+    returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+    def refuse(reason):
+        raise NotImplementedError(
+            f"functx.vmap: there is no batching rule for {name}, and the per-sample "
+            f"fallback cannot run it because {reason}. Please file an issue naming this op."
+        )
+
+    def fallback(interp, *args, **kwargs):
+        if config.fallback == "error":
+            raise NotImplementedError(
+                f"functx.vmap: there is no batching rule for {name} and the per-sample "
+                f"fallback is switched off (functx.set_vmap_fallback('error'))."
+            )
+        if writes_out:
+            refuse("it writes into out= arguments")
+        if returns_view:
+            refuse("it returns a view")
+        if config.fallback == "warn" and op not in _warned:
+            _warned.add(op)
+            warnings.warn(
+                f"functx.vmap: there is no batching rule for {name}; running it once per "
+                f"batch element, which is slow. Please file an issue naming this op.",
+                PerformanceWarning,
+                stacklevel=2,
+            )
+        for i in mutated:
+            if not interp.is_batched(args[i]):
+                from .templates import raise_unbatched_inplace
+
+                raise_unbatched_inplace(op, args[i])
+        results = []
+        for b in range(interp.batch_size):
+            results.append(op(*_select(interp, args, b), **_select_kw(interp, kwargs, b)))
+        if mutated:
+            return args[mutated[0]] if len(mutated) == 1 else tuple(args[i] for i in mutated)
+        return _stack_results(interp, results, name)
+
+    return fallback
+
+
+def _select_one(interp, x, b):
+    if interp.is_batched(x):
+        return x._value[b]
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_select_one(interp, e, b) for e in x)
+    return x
+
+
+def _select(interp, args, b):
+    return tuple(_select_one(interp, a, b) for a in args)
+
+
+def _select_kw(interp, kwargs, b):
+    return {k: _select_one(interp, v, b) for k, v in kwargs.items()}
+
+
+def _stack_results(interp, results, name):
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return interp.wrap(torch.stack(results))
+    if type(first) is tuple or type(first) is list:
+        out = []
+        for i, item in enumerate(first):
+            column = [r[i] for r in results]
+            if isinstance(item, torch.Tensor):
+                out.append(interp.wrap(torch.stack(column)))
+            elif type(item) is list:
+                out.append([interp.wrap(torch.stack([c[j] for c in column])) for j in range(len(item))])
+            else:
+                out.append(item)
+        return type(first)(out)
+    raise NotImplementedError(
+        f"functx.vmap: the per-sample fallback for {name} got a {type(first).__name__} "
+        f"result; only tensor results can be stacked."
+    )

@@ -1,0 +1,139 @@
+"""Random ops under vmap: the `randomness` policy ("error", "different", "same").
+
+Random ops that touch a BatchedTensor reach the batching rules in `rules/random.py`.
+Random ops on values that are not batched at this level — factories such as
+`torch.randn(3)` that take no tensor at all, or `torch.rand_like(w)` of a captured `w` —
+never reach the dispatcher through a BatchedTensor, so a TorchFunctionMode, pushed for
+the duration of each vmap call, intercepts them. It costs one dictionary lookup for
+every other torch call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+RANDOMNESS_MODES = ("error", "different", "same")
+
+
+def check_randomness(randomness):
+    if randomness not in RANDOMNESS_MODES:
+        raise RuntimeError(
+            f"Only allowed values for randomness are 'error', 'different', or 'same'. Got {randomness}"
+        )
+
+
+def random_op_error():
+    return RuntimeError(
+        "vmap: called random operation while in randomness error mode. Please either use the "
+        "'same' or 'different' randomness flags on vmap or perform the randomness operation "
+        "out of vmap"
+    )
+
+
+def inplace_different_error():
+    return RuntimeError(
+        "vmap: Cannot ask for different inplace randomness on an unbatched tensor. This will "
+        "appear like same randomness. If this is necessary for your usage, please file an issue "
+        "with functx."
+    )
+
+
+def _size_of_factory(func, args, kwargs):
+    """Split a random factory call into (size, rebuild) where rebuild(new_size) calls it again."""
+    if func in (torch.rand, torch.randn):
+        if "size" in kwargs:
+            size = tuple(kwargs["size"])
+            return size, lambda new: func(*args, **{**kwargs, "size": new})
+        size = tuple(args[0]) if len(args) == 1 and not isinstance(args[0], int) else tuple(args)
+        return size, lambda new: func(new, **kwargs)
+    # randint(high, size) / randint(low, high, size); normal(mean, std, size)
+    if "size" in kwargs:
+        size = tuple(kwargs["size"])
+        return size, lambda new: func(*args, **{**kwargs, "size": new})
+    size = tuple(args[-1])
+    return size, lambda new: func(*args[:-1], new, **kwargs)
+
+
+def _is_factory_call(func, args, kwargs):
+    if func is torch.normal:  # normal(float, float, size) is a factory; normal(Tensor, ...) is not
+        return not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+    return True
+
+
+def _dropout_is_active(func, args, kwargs):
+    if func is torch.dropout or func is torch.dropout_ or func is torch.feature_dropout or func is torch.alpha_dropout:
+        return bool(args[2] if len(args) > 2 else kwargs.get("train", True))
+    return bool(args[2] if len(args) > 2 else kwargs.get("training", True))
+
+
+class RandomnessMode(TorchFunctionMode):
+    """Applies one vmap level's randomness policy to random calls on unbatched values."""
+
+    def __init__(self, interp):
+        super().__init__()
+        self.interp = interp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _RANDOM_FUNCS.get(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        return _handle_random(self.interp, func, kind, args, kwargs)
+
+
+def _batched_here(interp, args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if interp.is_batched(a):
+            return True
+    return False
+
+
+def _handle_random(interp, func, kind, args, kwargs):
+    if kind == "dropout" and not _dropout_is_active(func, args, kwargs):
+        return func(*args, **kwargs)
+    if kind != "factory" and _batched_here(interp, args, kwargs):
+        return func(*args, **kwargs)  # the batching rules see it
+    if kind == "factory" and not _is_factory_call(func, args, kwargs):
+        return func(*args, **kwargs)
+    randomness = interp.randomness
+    if randomness == "error":
+        raise random_op_error()
+    if randomness == "same":
+        return func(*args, **kwargs)
+    # randomness == "different": draw one sample per batch element
+    if kind == "inplace":
+        raise inplace_different_error()
+    batch = interp.batch_size
+    if kind == "factory":
+        if func is torch.randperm:
+            return interp.wrap(torch.stack([func(*args, **kwargs) for _ in range(batch)]))
+        size, rebuild = _size_of_factory(func, args, kwargs)
+        return interp.wrap(rebuild((batch, *size)))
+    # a random function of tensors that are not batched here: expand them, then draw
+    expanded = [a.expand(batch, *a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+    expanded_kw = {k: v.expand(batch, *v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if kind == "dropout" and (kwargs.get("inplace") or (len(args) > 3 and args[3])):
+        raise inplace_different_error()
+    return interp.wrap(func(*expanded, **expanded_kw))
+
+
+_RANDOM_FUNCS = {}
+for _f in (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal):
+    _RANDOM_FUNCS[_f] = "factory"
+for _f in (
+    torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, torch.Tensor.bernoulli,
+    torch.multinomial, torch.Tensor.multinomial, torch.poisson, torch.rrelu, F.rrelu,
+):
+    _RANDOM_FUNCS[_f] = "tensor"
+for _f in (
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.feature_dropout, torch.alpha_dropout,
+):
+    _RANDOM_FUNCS[_f] = "dropout"
+for _f in (
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.exponential_,
+    torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.bernoulli_,
+):
+    _RANDOM_FUNCS[_f] = "inplace"
