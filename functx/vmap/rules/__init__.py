@@ -1,3 +1,17 @@
 """Batching rules, one module per op family. Importing this package fills `VMAP_RULES`."""
 
-from . import data_dependent, factory, pointwise, random, reductions, views  # noqa: F401
+from . import (  # noqa: F401
+    data_dependent,
+    factory,
+    indexing,
+    linalg,
+    nn_conv,
+    nn_losses,
+    nn_misc,
+    nn_norm,
+    nn_pooling,
+    pointwise,
+    random,
+    reductions,
+    views,
+)
