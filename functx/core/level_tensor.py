@@ -29,7 +29,6 @@ class LevelTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, op, types, args=(), kwargs=None):
         top = None
-        dead = False
         for a in args:
             if isinstance(a, LevelTensor):
                 interp = a._interp
@@ -56,8 +55,6 @@ class LevelTensor(torch.Tensor):
         else:
             kwargs = {}
         if not top.alive:
-            dead = True
-        if dead:
             return _dispatch_with_dead_levels(op, args, kwargs)
         return top.process(op, args, kwargs)
 
@@ -76,8 +73,6 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     run the op again, so the highest live level (or plain torch) handles it."""
     args = tuple(_unwrap_dead(a) for a in args)
     kwargs = {k: _unwrap_dead(v) for k, v in kwargs.items()}
-    if op is torch.ops.aten.detach.default and not isinstance(args[0], LevelTensor):
-        return args[0].detach()
     return op(*args, **kwargs)
 
 

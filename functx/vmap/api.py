@@ -142,29 +142,34 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
         return _unbatch_outputs(func, outputs, out_dims, interp)
 
 
-def _unbatch_outputs(func, outputs, out_dims, interp):
-    flat_out, out_spec = optree.tree_flatten(outputs)
-    if isinstance(out_dims, int) or out_dims is None:
-        flat_out_dims = [out_dims] * len(flat_out)
-    elif isinstance(out_dims, tuple):
-        if not isinstance(outputs, tuple) and len(out_dims) == 1:
-            out_dims = out_dims[0]  # torch.func accepts out_dims=(d,) for a single output
-        try:
-            flat_out_dims = optree.tree_leaves(
-                optree.tree_broadcast_prefix(out_dims, outputs, none_is_leaf=True), none_is_leaf=True
-            )
-        except ValueError:
-            raise ValueError(
-                f"vmap({_name(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
-                f"compatible with the structure of `outputs`. out_dims has structure "
-                f"{optree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure {out_spec}."
-            ) from None
-    else:
+def _flat_out_dims(func, out_dims, outputs):
+    """One out_dim per output leaf: `out_dims` is an int/None or a prefix of the outputs."""
+    n_leaves = optree.tree_structure(outputs).num_leaves
+    if out_dims is None or (isinstance(out_dims, int) and not isinstance(out_dims, bool)):
+        return [out_dims] * n_leaves
+    dim_leaves = optree.tree_leaves(out_dims, none_is_leaf=True)
+    if not dim_leaves or any(d is not None and (not isinstance(d, int) or isinstance(d, bool)) for d in dim_leaves):
         raise ValueError(
             f"vmap({_name(func)}, ..., out_dims={out_dims}): `out_dims` must be an int, None or "
             f"a python collection of ints representing where in the outputs the vmapped "
             f"dimension should appear."
         )
+    if isinstance(out_dims, tuple) and len(out_dims) == 1 and not isinstance(outputs, tuple):
+        out_dims = out_dims[0]  # torch.func accepts out_dims=(d,) for a single output
+    try:
+        return optree.tree_leaves(optree.tree_broadcast_prefix(out_dims, outputs, none_is_leaf=True), none_is_leaf=True)
+    except ValueError:
+        raise ValueError(
+            f"vmap({_name(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
+            f"compatible with the structure of `outputs`. out_dims has structure "
+            f"{optree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure "
+            f"{optree.tree_structure(outputs)}."
+        ) from None
+
+
+def _unbatch_outputs(func, outputs, out_dims, interp):
+    flat_out, out_spec = optree.tree_flatten(outputs)
+    flat_out_dims = _flat_out_dims(func, out_dims, outputs)
     unbatched = [_unbatch(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
     return optree.tree_unflatten(out_spec, unbatched)
 
@@ -181,12 +186,6 @@ def _unbatch(func, out, out_dim, interp):
         raise ValueError(
             f"vmap({_name(func)}, ...): `{_name(func)}` must only return Tensors, got type "
             f"{type(out)}. Did you mean to set out_dims= to None for output?"
-        )
-    if not isinstance(out_dim, int) or isinstance(out_dim, bool):
-        raise ValueError(
-            f"vmap({_name(func)}, ..., out_dims={out_dim}): `out_dims` must be an int, None or "
-            f"a python collection of ints representing where in the outputs the vmapped "
-            f"dimension should appear."
         )
     if interp.is_batched(out):
         value = out._value
@@ -214,16 +213,7 @@ def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dim
         chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
     flat_chunks = [optree.tree_flatten(o) for o in chunk_outputs]
     out_spec = flat_chunks[0][1]
-    n_out = len(flat_chunks[0][0])
-    if isinstance(out_dims, int) or out_dims is None:
-        flat_out_dims = [out_dims] * n_out
-    else:
-        template = chunk_outputs[0]
-        if isinstance(out_dims, tuple) and not isinstance(template, tuple) and len(out_dims) == 1:
-            out_dims = out_dims[0]
-        flat_out_dims = optree.tree_leaves(
-            optree.tree_broadcast_prefix(out_dims, template, none_is_leaf=True), none_is_leaf=True
-        )
+    flat_out_dims = _flat_out_dims(func, out_dims, chunk_outputs[0])
     merged = [
         flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
         for i, d in enumerate(flat_out_dims)

@@ -93,10 +93,10 @@ def _batched_here(interp, args, kwargs):
 def _handle_random(interp, func, kind, args, kwargs):
     if kind == "dropout" and not _dropout_is_active(func, args, kwargs):
         return func(*args, **kwargs)
+    if kind == "factory" and not _is_factory_call(func, args, kwargs):
+        kind = "tensor"  # torch.normal(mean_tensor, std): a random function of tensors
     if kind != "factory" and _batched_here(interp, args, kwargs):
         return func(*args, **kwargs)  # the batching rules see it
-    if kind == "factory" and not _is_factory_call(func, args, kwargs):
-        return func(*args, **kwargs)
     randomness = interp.randomness
     if randomness == "error":
         raise random_op_error()

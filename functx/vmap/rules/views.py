@@ -15,7 +15,6 @@ for _op in (
     aten.narrow.default,
     aten.diagonal.default,
     aten.transpose.int,
-    aten.permute.default,
     aten.movedim.int,
     aten.movedim.intlist,
     aten.split.Tensor,
@@ -43,6 +42,12 @@ for _op in (
 
 for _op in (aten.unsqueeze.default, aten.unsqueeze_.default, aten.diag_embed.default):
     VMAP_RULES.set(_op, batch_all_rule(_op, rank_offset=1))
+
+
+@VMAP_RULES.register(aten.permute.default)
+def _permute(interp, x, dims):
+    rank = x.dim()
+    return interp.wrap(x._value.permute(0, *(normalize_dim(d, rank) + 1 for d in dims)))
 
 
 @VMAP_RULES.register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -1,0 +1,186 @@
+"""vmap semantics beyond single ops: randomness, in-place, views, data-dependent errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functx
+from functx import vmap
+
+
+# -- randomness ------------------------------------------------------------------------
+RANDOM_FUNCTIONS = {
+    "randn": lambda a: a + torch.randn(3),
+    "rand": lambda a: a + torch.rand(3),
+    "randint": lambda a: a + torch.randint(0, 100, (3,)),
+    "normal": lambda a: a + torch.normal(0.0, 1.0, (3,)),
+    "rand_like": lambda a: a + torch.rand_like(a),
+    "randn_like_unbatched": lambda a: a + torch.randn_like(torch.zeros(3)),
+    "bernoulli_scalar": lambda a: a + torch.empty_like(a).bernoulli_(0.5) * 7,
+    "dropout": lambda a: F.dropout(a + 1, 0.5),
+    "uniform_": lambda a: a.clone().uniform_(),
+    "randperm": lambda a: a + torch.randperm(3),
+    "multinomial_unbatched": lambda a: a + torch.multinomial(torch.ones(5), 3).float(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FUNCTIONS))
+def test_randomness_error_raises(name):
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap(RANDOM_FUNCTIONS[name])(torch.zeros(6, 3))
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FUNCTIONS))
+def test_randomness_same_gives_equal_rows(name):
+    out = vmap(RANDOM_FUNCTIONS[name], randomness="same")(torch.zeros(6, 3))
+    torch.testing.assert_close(out, out[0].expand_as(out))
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FUNCTIONS))
+def test_randomness_different_gives_different_rows(name):
+    out = vmap(RANDOM_FUNCTIONS[name], randomness="different")(torch.zeros(6, 3))
+    assert any(not torch.equal(out[0], out[i]) for i in range(1, 6))
+
+
+def test_randomness_different_matches_one_batched_draw():
+    """'different' draws the same numbers as one unbatched call of the batched shape."""
+    torch.manual_seed(1)
+    out = vmap(lambda a: a + torch.randn(3), randomness="different")(torch.zeros(4, 3))
+    torch.manual_seed(1)
+    torch.testing.assert_close(out, torch.randn(4, 3))
+
+
+def test_dropout_eval_is_not_random():
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(vmap(lambda a: F.dropout(a, 0.5, training=False))(x), x)
+
+
+def test_inplace_random_on_unbatched_tensor_with_different_raises():
+    with pytest.raises(RuntimeError, match="different inplace randomness on an unbatched tensor"):
+        vmap(lambda a: a + torch.zeros(3).uniform_(), randomness="different")(torch.zeros(2, 3))
+
+
+def test_nested_vmap_different_randomness():
+    out = vmap(vmap(lambda a: a + torch.randn(()), randomness="different"), randomness="different")(torch.zeros(3, 4))
+    assert out.unique().numel() == 12
+
+
+# -- in-place ops and views ------------------------------------------------------------
+def test_inplace_methods_on_batched_tensors():
+    x = torch.randn(4, 3)
+
+    def f(a):
+        b = a.clone()
+        b.add_(1).mul_(torch.tensor([1.0, 2.0, 3.0]))
+        b.relu_()
+        b[0] = 5.0
+        return b
+
+    expected = torch.relu((x + 1) * torch.tensor([1.0, 2.0, 3.0]))
+    expected[:, 0] = 5.0
+    torch.testing.assert_close(vmap(f)(x), expected)
+
+
+def test_inplace_returns_the_same_object():
+    def f(a):
+        b = a.clone()
+        assert b.add_(1) is b
+        return b
+
+    vmap(f)(torch.randn(2, 3))
+
+
+def test_writes_through_views_land_in_the_input():
+    x = torch.randn(4, 3)
+    original = x.clone()
+
+    def f(a):
+        a[0].mul_(2)
+        a.narrow(0, 1, 2).zero_()
+        return a
+
+    vmap(f)(x)
+    expected = original.clone()
+    expected[:, 0] *= 2
+    expected[:, 1:3] = 0
+    torch.testing.assert_close(x, expected)
+
+
+def test_writes_through_views_with_trailing_in_dim():
+    x = torch.randn(3, 4)
+    original = x.clone()
+    vmap(lambda a: a[1].fill_(7.0), in_dims=1)(x)
+    expected = original.clone()
+    expected[1] = 7.0
+    torch.testing.assert_close(x, expected)
+
+
+def test_inplace_into_unbatched_tensor_names_the_op():
+    w = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"vmap: aten::add_.Tensor writes in place into a tensor that is not batched"):
+        vmap(lambda a: w.add_(a))(torch.randn(4, 3))
+    torch.testing.assert_close(w, torch.zeros(3))  # nothing was written
+
+
+def test_index_assignment_into_unbatched_tensor_raises():
+    def f(a):
+        buf = torch.zeros(3)
+        buf[0] = a[0]
+        return buf
+
+    with pytest.raises(RuntimeError, match="not batched at this vmap level"):
+        vmap(f)(torch.randn(4, 3))
+
+
+def test_new_zeros_of_batched_tensor_accepts_batched_writes():
+    def f(a):
+        buf = a.new_zeros(3)
+        buf.copy_(a * 2)
+        return buf
+
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(vmap(f)(x), x * 2)
+
+
+# -- data-dependent Python and shapes ----------------------------------------------------
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda a: a.sum().item(),
+        lambda a: a if a.sum() > 0 else -a,
+        lambda a: int(a[0]),
+        lambda a: float(a[0]),
+        lambda a: torch.nonzero(a),
+        lambda a: a[a > 0],
+        lambda a: torch.masked_select(a, a > 0),
+        lambda a: torch.unique(a),
+    ],
+    ids=["item", "bool", "int", "float", "nonzero", "mask_index", "masked_select", "unique"],
+)
+def test_data_dependent_ops_raise_naming_vmap_and_where(f):
+    with pytest.raises(RuntimeError, match=r"(?s)vmap.*torch\.where"):
+        vmap(f)(torch.randn(4, 3))
+
+
+def test_fallback_warns_once_and_can_be_made_an_error():
+    """An op with neither rule nor decomposition runs per sample with one warning."""
+    from functx.vmap import VMAP_RULES
+    from functx.vmap import fallback as fallback_module
+
+    op = torch.ops.aten.atan2.default
+    saved = VMAP_RULES.rules.get(op)
+    VMAP_RULES.set(op, fallback_module.loop_fallback(op))
+    fallback_module._warned.discard(op)
+    try:
+        x, y = torch.randn(4, 3), torch.randn(4, 3)
+        with pytest.warns(functx.PerformanceWarning, match="atan2"):
+            out = vmap(torch.atan2)(x, y)
+        torch.testing.assert_close(out, torch.atan2(x, y))
+        with functx.vmap_fallback("error"), pytest.raises(NotImplementedError, match="atan2"):
+            vmap(torch.atan2)(x, y)
+    finally:
+        if saved is None:
+            VMAP_RULES.rules.pop(op, None)
+            VMAP_RULES._handlers.pop(op, None)
+        else:
+            VMAP_RULES.set(op, saved)
