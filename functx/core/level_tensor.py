@@ -59,21 +59,69 @@ class LevelTensor(torch.Tensor):
         return top.process(op, args, kwargs)
 
 
-def _unwrap_dead(x):
+def unwrap_dead(x):
+    """Strip the wrappers of finished transforms from `x` (a tensor, list or tuple)."""
     while isinstance(x, LevelTensor) and not x._interp.alive:
         x = x._interp.unwrap_dead(x)
     if type(x) is list or type(x) is tuple:
-        return type(x)(_unwrap_dead(e) for e in x)
+        return type(x)(unwrap_dead(e) for e in x)
     return x
 
 
 def _dispatch_with_dead_levels(op, args, kwargs):
-    """A level tensor escaped its transform: replace every dead wrapper by what its
-    interpreter says it stands for (vmap: the physical tensor with the batch dim) and
-    run the op again, so the highest live level (or plain torch) handles it."""
-    args = tuple(_unwrap_dead(a) for a in args)
-    kwargs = {k: _unwrap_dead(v) for k, v in kwargs.items()}
-    return op(*args, **kwargs)
+    """A level tensor outlived its transform (a `vjp_fn` called after `vjp` returned, a
+    tensor stashed away): run the op on what the dead wrappers stand for (vmap: the
+    physical tensor with the batch dim; grad: the value one level down), so the highest
+    live level, or plain torch, handles it.
+
+    Like every interpreter, this runs one level down with autograd restored, so that live
+    grad levels below (and plain autograd) record the op: a late `vjp_fn` runs its
+    backward formulas here and an outer `grad` must see them. torch's autograd and view
+    tracking still run at the dead wrappers' level and need fresh output objects, so a
+    dead grad level re-boxes the outputs (`rebox_dead`); every transform strips such
+    boxes from what it returns.
+    """
+    dead = None
+    for a in (*args, *kwargs.values()):
+        for t in a if type(a) is list or type(a) is tuple else (a,):
+            if isinstance(t, LevelTensor) and not t._interp.alive:
+                if dead is None or t._interp.level > dead.level:
+                    dead = t._interp
+    values = tuple(unwrap_dead(a) for a in args)
+    kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
+    with torch._C._RestorePythonTLSSnapshot():
+        out = op(*values, **kw_values)
+    if dead is None:
+        return out
+    mutated = mutated_argument(op)
+    if mutated is not None:
+        return args[mutated]
+    if isinstance(out, torch.Tensor):
+        return dead.rebox_dead(out)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(dead.rebox_dead(o) if isinstance(o, torch.Tensor) else o for o in out)
+    return out
+
+
+_mutated_cache: dict = {}
+
+
+def mutated_argument(op):
+    """Index of the argument an in-place op writes and returns (its `self`), or None."""
+    try:
+        return _mutated_cache[op]
+    except KeyError:
+        pass
+    index = None
+    schema = op._schema
+    returns = schema.returns
+    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only:
+                index = i
+                break
+    _mutated_cache[op] = index
+    return index
 
 
 def level_of(x) -> int:
@@ -81,4 +129,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "level_of", "op_name"]
+__all__ = ["LevelTensor", "level_of", "mutated_argument", "op_name", "unwrap_dead"]

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from ..core.interpreter import interpreting
+from ..core.level_tensor import unwrap_dead
 from .batched_tensor import BatchedTensor, VmapInterpreter
 from .randomness import RANDOMNESS_MODES, RandomnessMode, check_randomness
 
@@ -188,7 +189,7 @@ def _unbatch(func, out, out_dim, interp):
             f"{type(out)}. Did you mean to set out_dims= to None for output?"
         )
     if interp.is_batched(out):
-        value = out._value
+        value = unwrap_dead(out._value)
     else:  # does not depend on the batch: every element is the same
         value = out.unsqueeze(0).expand(interp.batch_size, *out.shape)
     rank = value.dim()

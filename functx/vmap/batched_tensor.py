@@ -82,6 +82,9 @@ class VmapInterpreter(Interpreter):
     def unwrap_dead(self, x):
         return x._value
 
+    def rebox_dead(self, value):
+        return value  # vmap wrappers never record autograd themselves
+
 
 def _fallback_factory(op):
     from .fallback import loop_fallback

@@ -1,0 +1,7 @@
+"""Automatic differentiation: reverse mode (grad levels over torch autograd) and forward
+mode, plus the Jacobian/Hessian transforms built from them."""
+
+from .forward import hessian, jacfwd, jvp, linearize
+from .reverse import grad, grad_and_value, jacrev, vjp
+
+__all__ = ["grad", "grad_and_value", "hessian", "jacfwd", "jacrev", "jvp", "linearize", "vjp"]

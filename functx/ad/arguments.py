@@ -1,0 +1,91 @@
+"""Argument handling shared by the AD transforms: argnums, pytrees of tensors, levels."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from ..core.level_tensor import LevelTensor
+from .grad_level import GradTensor
+
+
+def check_argnums(argnums, num_args: int, api: str):
+    """Validate `argnums` (int or non-empty tuple of unique ints) against `num_args`;
+    return it with negative entries wrapped. Errors as torch.func words them."""
+
+    def wrap(argnum):
+        if not isinstance(argnum, int) or isinstance(argnum, bool):
+            raise RuntimeError(f"{api}: argnum must be int, got: {type(argnum)}")
+        if -num_args <= argnum < num_args:
+            return argnum % num_args
+        raise RuntimeError(f"{api}: Got argnum={argnum}, but only {num_args} positional inputs")
+
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        return wrap(argnums)
+    if isinstance(argnums, tuple):
+        if len(argnums) == 0:
+            raise RuntimeError(f"{api}: argnums must be non-empty")
+        wrapped = tuple(wrap(a) for a in argnums)
+        if len(set(wrapped)) != len(wrapped):
+            raise RuntimeError(f"{api}: argnums elements must be unique, got {argnums}")
+        return wrapped
+    raise RuntimeError(f"{api}: argnums must be int or Tuple[int, ...], got: {type(argnums)}")
+
+
+def select_argnums(args, argnums):
+    """The differentiated arguments: one pytree for an int argnums, a tuple for a tuple."""
+    if isinstance(argnums, int):
+        return args[argnums]
+    return tuple(args[i] for i in argnums)
+
+
+def replace_argnums(args, argnums, new):
+    args = list(args)
+    if isinstance(argnums, int):
+        args[argnums] = new
+    else:
+        for i, value in zip(argnums, new):
+            args[i] = value
+    return tuple(args)
+
+
+def make_differentiable(tree, interp, api: str):
+    """Wrap every leaf of `tree` as a GradTensor of `interp` that requires grad."""
+
+    def leaf(x):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(x)}")
+        if not (x.is_floating_point() or x.is_complex()):
+            raise RuntimeError(
+                f"{api}: only floating-point or complex tensors can be differentiated, got a "
+                f"Tensor with dtype {x.dtype}. Convert it (x.float()) or leave it out of argnums."
+            )
+        return GradTensor(x, interp, requires_grad=True)
+
+    return optree.tree_map(leaf, tree)
+
+
+def unwrap_level(tree, interp):
+    """Replace `interp`'s GradTensors in a pytree by their values (what leaves the level)."""
+
+    def leaf(x):
+        while isinstance(x, LevelTensor) and (x._interp is interp or not x._interp.alive):
+            x = x._interp.unwrap_dead(x) if x._interp is not interp else x._value
+        return x
+
+    return optree.tree_map(leaf, tree)
+
+
+def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, retain_graph=None):
+    """`torch.autograd.grad` with torch.func's conventions: outputs that do not require grad
+    contribute nothing, inputs that do not reach an output get zeros."""
+    if grad_outputs is None:
+        grad_outputs = [None] * len(outputs)
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(x) for x in inputs)
+    outs, gouts = zip(*pairs)
+    grads = torch.autograd.grad(
+        outs, inputs, gouts, create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
+    )
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))

@@ -1,0 +1,108 @@
+"""Reverse mode's level: `GradTensor` and `GradInterpreter`.
+
+functx reuses torch's autograd engine once per grad level (design A in DESIGN.md): a
+GradTensor is a wrapper that torch autograd records, and the interpreter runs each op on
+the values one level down. Derivative formulas then run on GradTensors and re-dispatch
+through the lower levels, so every torch derivative, `autograd.Function.backward` and
+`torch.library` autograd registration works at every level and composes.
+
+Two traps, both handled in `process`:
+- autograd is switched off inside `__torch_dispatch__`; the op one level down runs with it
+  restored (`_RestorePythonTLSSnapshot`) so lower grad levels record their own graphs;
+- autograd detaches saved outputs through `aten.detach`: at a grad level that must cut
+  only this level's graph (a new wrapper of the same value), or `grad(grad(exp))` is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.interpreter import Interpreter
+from ..core.level_tensor import LevelTensor, mutated_argument
+
+_restore_autograd = torch._C._RestorePythonTLSSnapshot
+_detach = torch.ops.aten.detach.default
+
+
+class GradTensor(LevelTensor):
+    """A tensor inside `functx.grad` / `functx.vjp`: the value one level down, recorded by
+    torch autograd at this level."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, interp: "GradInterpreter", requires_grad: bool = False):
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+            dtype=value.dtype,
+            device=value.device,
+            layout=value.layout,
+            requires_grad=requires_grad,
+        )
+        wrapper._value = value
+        wrapper._interp = interp
+        return wrapper
+
+    def __repr__(self):
+        return f"GradTensor(level={self._interp.level}, value={self._value!r}, grad_fn={self.grad_fn})"
+
+    __str__ = __repr__
+
+
+class GradInterpreter(Interpreter):
+    """One `grad`/`vjp` level. `prev_grad_mode` is the grad mode outside the transform:
+    an outer `torch.no_grad()` is ignored at this level but still holds for the levels
+    below it (functorch's rule), an inner one is obeyed."""
+
+    kind = "grad"
+    __slots__ = ("prev_grad_mode",)
+
+    def __init__(self):
+        super().__init__()
+        self.prev_grad_mode = torch.is_grad_enabled()
+
+    def process(self, op, args, kwargs):
+        if op is _detach:
+            # Cut this level's graph only: a fresh wrapper of the same (still attached) value.
+            return GradTensor(args[0]._value, self)
+        values = [self._unwrap(a) for a in args]
+        kw_values = {k: self._unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        with _restore_autograd():
+            if self.prev_grad_mode:
+                out = op(*values, **kw_values)
+            else:
+                with torch.no_grad():
+                    out = op(*values, **kw_values)
+        return self._wrap_result(op, args, out)
+
+    def _unwrap(self, x):
+        if type(x) is GradTensor and x._interp is self:
+            return x._value
+        if type(x) is list or type(x) is tuple:
+            return type(x)(self._unwrap(e) for e in x)
+        return x
+
+    def _wrap_result(self, op, args, out):
+        mutated = mutated_argument(op)
+        if mutated is not None:
+            return args[mutated]  # in-place: the value changed under the same wrapper
+        if isinstance(out, torch.Tensor):
+            return GradTensor(out, self)
+        if type(out) is tuple or type(out) is list:
+            return type(out)(
+                GradTensor(o, self) if isinstance(o, torch.Tensor)
+                else [GradTensor(e, self) for e in o] if type(o) is list
+                else o
+                for o in out
+            )
+        return out
+
+    def unwrap_dead(self, x):
+        return x._value
+
+    def rebox_dead(self, value):
+        return GradTensor(value, self)
+
+    def wrap(self, value, requires_grad=False):
+        return GradTensor(value, self, requires_grad)
