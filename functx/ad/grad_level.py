@@ -98,11 +98,11 @@ class GradInterpreter(Interpreter):
             )
         return out
 
-    def unwrap_dead(self, x):
-        return x._value
-
     def rebox_dead(self, value):
         return GradTensor(value, self)
+
+    def detach_dead(self, x):
+        return GradTensor(x._value, self)  # cut the dead level's graph only, as in process
 
     def wrap(self, value, requires_grad=False):
         return GradTensor(value, self, requires_grad)

@@ -43,6 +43,19 @@ class Interpreter:
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # -- after the transform returned (see level_tensor._dispatch_with_dead_levels) --
+    def unwrap_dead(self, x):
+        """What a wrapper of this (finished) level stands for one level down."""
+        return x._value
+
+    def rebox_dead(self, value):
+        """A fresh output object for an op on dead wrappers (grad levels need one)."""
+        return value
+
+    def detach_dead(self, x):
+        """`aten.detach` of a dead wrapper."""
+        return self.unwrap_dead(x).detach()
+
     def __repr__(self):
         state = "" if self.alive else ", dead"
         return f"{type(self).__name__}(level={self.level}{state})"

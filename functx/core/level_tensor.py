@@ -17,6 +17,9 @@ import torch
 from .errors import op_name
 
 
+_detach = torch.ops.aten.detach.default
+
+
 class LevelTensor(torch.Tensor):
     """Base of every transform's wrapper tensor. Subclasses set `_value` and `_interp`."""
 
@@ -81,6 +84,9 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     dead grad level re-boxes the outputs (`rebox_dead`); every transform strips such
     boxes from what it returns.
     """
+    if op is _detach and isinstance(args[0], LevelTensor) and not args[0]._interp.alive:
+        # autograd detaches saved outputs of the dead level: its interpreter decides
+        return args[0]._interp.detach_dead(args[0])
     dead = None
     for a in (*args, *kwargs.values()):
         for t in a if type(a) is list or type(a) is tuple else (a,):

@@ -79,11 +79,6 @@ class VmapInterpreter(Interpreter):
             return type(out)(BatchedTensor(o, self) if isinstance(o, torch.Tensor) else o for o in out)
         return out
 
-    def unwrap_dead(self, x):
-        return x._value
-
-    def rebox_dead(self, value):
-        return value  # vmap wrappers never record autograd themselves
 
 
 def _fallback_factory(op):
