@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor, mutated_argument
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _detach = torch.ops.aten.detach.default
@@ -85,8 +85,10 @@ class GradInterpreter(Interpreter):
 
     def _wrap_result(self, op, args, out):
         mutated = mutated_argument(op)
-        if mutated is not None:
-            return args[mutated]  # in-place: the value changed under the same wrapper
+        if mutated is not None:  # in-place: the value changed under the same wrapper
+            if torch.Tag.inplace_view in op.tags:
+                replay_inplace_view(op, args, {})
+            return args[mutated]
         if isinstance(out, torch.Tensor):
             return GradTensor(out, self)
         if type(out) is tuple or type(out) is list:

@@ -13,6 +13,7 @@ This is the hot path: no pytree library here, one pass over the arguments.
 from __future__ import annotations
 
 import torch
+import torch.utils._mode_utils
 
 from .errors import op_name
 
@@ -130,9 +131,23 @@ def mutated_argument(op):
     return index
 
 
+def replay_inplace_view(op, args, kwargs):
+    """After an in-place view op (`squeeze_`, `unsqueeze_`, `transpose_`, `as_strided_`)
+    changed a wrapper's inner value, change the wrapper's own sizes and strides to match:
+    replay the op on the wrapper's metadata alone (no dispatch, meta kernels), as torch's
+    `return_and_correct_aliasing` does."""
+    with torch.utils._mode_utils.no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            op(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
 def level_of(x) -> int:
     """Level of a level tensor, 0 for anything else (plain tensors sit below every level)."""
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "level_of", "mutated_argument", "op_name", "unwrap_dead"]
+__all__ = ["LevelTensor", "level_of", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]

@@ -18,6 +18,7 @@ import torch
 import torch._decomp
 
 from .errors import op_name
+from .level_tensor import replay_inplace_view
 
 _decompositions = torch._decomp.decomposition_table
 
@@ -85,6 +86,12 @@ class RuleTable:
         return "fallback" if self.fallback is not None else "missing"
 
     def _resolve(self, op):
+        handler = self._resolve_rule(op)
+        if torch.Tag.inplace_view in op.tags:
+            return _fixing_wrapper_metadata(op, handler)
+        return handler
+
+    def _resolve_rule(self, op):
         rule = self.rules.get(op)
         if rule is not None:
             return rule
@@ -108,3 +115,16 @@ class RuleTable:
             raise NotImplementedError(message)
 
         return missing
+
+
+
+def _fixing_wrapper_metadata(op, handler):
+    """In-place view ops change the shape of `self`: the rule changes the inner value,
+    then the wrapper's own sizes and strides follow (`replay_inplace_view`)."""
+
+    def handler_and_fix(interp, *args, **kwargs):
+        handler(interp, *args, **kwargs)
+        replay_inplace_view(op, args, kwargs)
+        return args[0]
+
+    return handler_and_fix

@@ -14,6 +14,8 @@ from ..core.level_tensor import LevelTensor
 from ..core.rules import RuleTable
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_Tensor = torch.Tensor
 
 
 class BatchedTensor(LevelTensor):
@@ -21,15 +23,8 @@ class BatchedTensor(LevelTensor):
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, interp: "VmapInterpreter"):
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls,
-            value.shape[1:],
-            value.stride()[1:],
-            value.storage_offset(),
-            dtype=value.dtype,
-            device=value.device,
-            layout=value.layout,
-            requires_grad=False,
+        wrapper = _make_wrapper(
+            cls, value.shape[1:], value.stride()[1:], value.storage_offset(), dtype=value.dtype, device=value.device
         )
         wrapper._value = value
         wrapper._interp = interp
@@ -54,11 +49,13 @@ class VmapInterpreter(Interpreter):
 
     def process(self, op, args, kwargs):
         handler = VMAP_RULES.handler(op)
-        # Autograd is switched off inside __torch_dispatch__; rules run with it restored
-        # so that the values they compute on (plain tensors that require grad, lower
-        # grad levels) record their own graphs.
-        with _restore_autograd():
-            return handler(self, *args, **kwargs)
+        # Autograd is switched off inside __torch_dispatch__. When a value one level down
+        # takes part in autograd (a plain tensor that requires grad, a grad level's
+        # tensor), the rule runs with it restored so that the value records its graph.
+        if _values_need_autograd(args) or (kwargs and _values_need_autograd(kwargs.values())):
+            with _restore_autograd():
+                return handler(self, *args, **kwargs)
+        return handler(self, *args, **kwargs)
 
     # -- helpers used by every rule ------------------------------------------------
     def is_batched(self, x) -> bool:
@@ -79,6 +76,17 @@ class VmapInterpreter(Interpreter):
             return type(out)(BatchedTensor(o, self) if isinstance(o, torch.Tensor) else o for o in out)
         return out
 
+
+
+def _values_need_autograd(args) -> bool:
+    for a in args:
+        if isinstance(a, _Tensor):
+            if a.requires_grad or (type(a) is BatchedTensor and a._value.requires_grad):
+                return True
+        elif type(a) is list or type(a) is tuple:
+            if _values_need_autograd(a):
+                return True
+    return False
 
 
 def _fallback_factory(op):
