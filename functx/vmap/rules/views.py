@@ -1,10 +1,13 @@
 """Views and shape ops. Every rule returns a view of the batched value, so writes
 through a view inside vmap land in the tensor it views."""
 
+import functools
+
 import torch
 
+from ...core.errors import op_name
 from ..batched_tensor import VMAP_RULES
-from ..templates import batch_all_rule, normalize_dim
+from ..templates import batch_all_rule, logical_memory_format, materialize, normalize_dim, raise_unbatched_inplace
 
 aten = torch.ops.aten
 
@@ -50,9 +53,17 @@ def _permute(interp, x, dims):
     return interp.wrap(x._value.permute(0, *(normalize_dim(d, rank) + 1 for d in dims)))
 
 
-@VMAP_RULES.register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@VMAP_RULES.register(aten.view.default)
 def _view(interp, x, size):
     return interp.wrap(x._value.view(interp.batch_size, *size))
+
+
+@VMAP_RULES.register(aten._unsafe_view.default, aten.reshape.default)
+def _reshape(interp, x, size):
+    # _unsafe_view only ever follows a fresh result, which is contiguous in eager torch;
+    # the batched value may not be (the batch dim can sit anywhere in memory), so copy
+    # when a view is impossible.
+    return interp.wrap(x._value.reshape(interp.batch_size, *size))
 
 
 @VMAP_RULES.register(aten._reshape_alias.default)
@@ -102,6 +113,9 @@ def _t(interp, x):
 
 @VMAP_RULES.register(aten.as_strided.default)
 def _as_strided(interp, x, size, stride, storage_offset=None):
+    """Per element, as_strided of that element's slice with offsets counted from the
+    slice's own start: right for the usual use, arguments computed from `x.stride()` and
+    `x.storage_offset()` (what stft and unfold-like code does), whatever the layout."""
     value = x._value
     offset = value.storage_offset() if storage_offset is None else storage_offset
     return interp.wrap(value.as_strided([value.shape[0], *size], [value.stride(0), *stride], offset))
@@ -115,3 +129,64 @@ def _roll(interp, x, shifts, dims=()):
         return interp.wrap(flat.roll(shifts, 1).view(value.shape))
     rank = x.dim()
     return interp.wrap(value.roll(shifts, [normalize_dim(d, rank) + 1 for d in dims]))
+
+
+def _is_legacy_empty(t) -> bool:
+    """torch.cat skips 1-d empty tensors whatever the other inputs' ranks (legacy rule)."""
+    return t.dim() == 1 and t.shape[0] == 0
+
+
+@VMAP_RULES.register(aten.cat.default)
+def _cat(interp, tensors, dim=0):
+    kept = [t for t in tensors if not _is_legacy_empty(t)] or list(tensors[:1])
+    rank = kept[0].dim()
+    if rank == 0:
+        raise RuntimeError("zero-dimensional tensor (at position 0) cannot be concatenated")
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    values = [materialize(interp, t).to(dtype) for t in kept]
+    return interp.wrap(aten.cat.default(values, normalize_dim(dim, rank, aten.cat.default) + 1))
+
+
+@VMAP_RULES.register(aten.as_strided_scatter.default)
+def _as_strided_scatter(interp, x, src, size, stride, storage_offset=None):
+    """Each element scatters into its own fresh contiguous copy of `x` (like the clone in
+    as_strided_scatter's definition); one strided view over all copies does every write."""
+    out = materialize(interp, x).clone(memory_format=torch.contiguous_format)
+    per_sample = out[0].numel() if out.shape[0] else 0
+    offset = 0 if storage_offset is None else storage_offset
+    view = out.as_strided([out.shape[0], *size], [per_sample, *stride], offset)
+    view.copy_(materialize(interp, src))
+    return interp.wrap(out)
+
+
+def _refuse_resize(op, x, size):
+    if tuple(size) == tuple(x.shape):
+        return x  # nothing to resize: torch returns self unchanged
+    raise RuntimeError(
+        f"vmap: {op_name(op)} would change the shape of a batched tensor in place from "
+        f"{tuple(x.shape)} to {tuple(size)}; a tensor's shape inside vmap is fixed. Create a "
+        f"tensor of the new shape instead (x.new_empty(size), x.reshape(size), torch.zeros_like)."
+    )
+
+
+@VMAP_RULES.register(aten.resize_.default)
+def _resize_(interp, x, size, *, memory_format=None):
+    return _refuse_resize(aten.resize_.default, x, size)
+
+
+@VMAP_RULES.register(aten.resize_as_.default)
+def _resize_as_(interp, x, template, *, memory_format=None):
+    if not interp.is_batched(x) and tuple(x.shape) != tuple(template.shape):
+        raise_unbatched_inplace(aten.resize_as_.default, x)
+    return _refuse_resize(aten.resize_as_.default, x, template.shape)
+
+
+def _contiguous(interp, x, *, memory_format=torch.contiguous_format):
+    """Reached from decompositions (user code's .contiguous() is resolved before dispatch):
+    `self` when the logical tensor already is contiguous, else a batch-outermost copy."""
+    if x.is_contiguous(memory_format=memory_format):
+        return x
+    return interp.wrap(x._value.contiguous())
+
+
+VMAP_RULES.set(aten.contiguous.default, logical_memory_format(aten.contiguous.default, _contiguous))
