@@ -89,3 +89,14 @@ def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, reta
         outs, inputs, gouts, create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
     )
     return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+
+def identity_rows(flat, start, stop):
+    """Rows start..stop of the identity matrix over the flattened tensors `flat`, split
+    and shaped like them: the basis vectors whose VJPs (JVPs) are the Jacobian's rows
+    (columns). Built per chunk, so chunking bounds the memory of the basis too."""
+    sizes = [t.numel() for t in flat]
+    n = stop - start
+    rows = torch.zeros(n, sum(sizes), dtype=flat[0].dtype, device=flat[0].device)
+    rows[torch.arange(n), torch.arange(start, stop)] = 1
+    return [piece.to(t.dtype).view(n, *t.shape) for piece, t in zip(rows.split(sizes, dim=1), flat)]

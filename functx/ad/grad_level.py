@@ -22,6 +22,7 @@ from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_vi
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _detach = torch.ops.aten.detach.default
+_view_as_real = torch.ops.aten.view_as_real.default
 
 
 class GradTensor(LevelTensor):
@@ -67,6 +68,11 @@ class GradInterpreter(Interpreter):
             # Cut this level's graph only: a fresh wrapper of the same (still attached) value.
             return GradTensor(args[0]._value, self)
         values = [self._unwrap(a) for a in args]
+        if op is _view_as_real and values[0].is_conj():
+            # The wrapper of a lazily conjugated value does not carry the conj bit itself
+            # (copying it breaks second-order gradients of complex ops), so user-level
+            # `resolve_conj()` never reached the value: resolve it here.
+            values[0] = values[0].resolve_conj()
         kw_values = {k: self._unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
         with _restore_autograd():
             if self.prev_grad_mode:

@@ -12,6 +12,7 @@ from ..vmap import vmap
 from .arguments import (
     autograd_grad,
     check_argnums,
+    identity_rows,
     make_differentiable,
     replace_argnums,
     select_argnums,
@@ -157,16 +158,33 @@ def grad(func, argnums=0, has_aux=False):
     return wrapper
 
 
-def _basis_rows(flat_out, start, stop):
-    """Rows start..stop of the identity over the flattened outputs, split per output
-    and shaped like it: the cotangents whose VJPs are rows of the Jacobian."""
-    sizes = [o.numel() for o in flat_out]
-    total = sum(sizes)
-    n = stop - start
-    rows = torch.zeros(n, total, dtype=flat_out[0].dtype, device=flat_out[0].device)
-    rows[torch.arange(n), torch.arange(start, stop)] = 1
-    pieces = rows.split(sizes, dim=1)
-    return [p.to(o.dtype).view(n, *o.shape) for p, o in zip(pieces, flat_out)]
+def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
+    """The Jacobian from a `vjp_fn`: one vectorized VJP per output element, `chunk_size`
+    rows at a time, written into a preallocated result (no final concatenation copy).
+    Returns, per flat output, the flat list of its Jacobian blocks (one per flat input,
+    shaped `output.shape + input.shape`), and the input structure."""
+    total = sum(o.numel() for o in flat_out)
+    step = total if chunk_size is None else chunk_size
+    one_vjp = lambda *cot: vjp_fn(optree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
+    flat_in, in_spec = None, None
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+        rows, spec = optree.tree_flatten(vmap(one_vjp)(*identity_rows(flat_out, start, stop)))
+        if flat_in is None:
+            if stop == total:
+                flat_in, in_spec = rows, spec
+                break
+            flat_in, in_spec = [r.new_empty(total, *r.shape[1:]) for r in rows], spec
+        for full, chunk in zip(flat_in, rows):
+            full[start:stop] = chunk
+    # flat_in[j]: (total, *input_j.shape) -> per output i: (*out_i.shape, *input_j.shape)
+    per_output = []
+    offset = 0
+    for out in flat_out:
+        n = out.numel()
+        per_output.append([g[offset : offset + n].view(*out.shape, *g.shape[1:]) for g in flat_in])
+        offset += n
+    return per_output, in_spec
 
 
 def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_copy=False):
@@ -193,27 +211,8 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
         for out in flat_out:
             if out.is_complex():
                 raise RuntimeError(f"jacrev: Expected all outputs to be real but received complex tensor")
-        total = sum(o.numel() for o in flat_out)
-        step = total if chunk_size is None else chunk_size
-        rows_of_jacobian = []
-        for start in range(0, max(total, 1), step):
-            stop = min(start + step, total)
-            basis = _basis_rows(flat_out, start, stop)
-            one_vjp = lambda *cot: vjp_fn(optree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
-            rows_of_jacobian.append(vmap(one_vjp)(*basis) if stop > start else None)
-        chunks = [r for r in rows_of_jacobian if r is not None]
-        flat_chunks = [optree.tree_flatten(c) for c in chunks]
-        in_spec = flat_chunks[0][1]
-        flat_in = [torch.cat([fc[0][j] for fc in flat_chunks]) if len(chunks) > 1 else flat_chunks[0][0][j] for j in range(len(flat_chunks[0][0]))]
-        # flat_in[j]: (total, *input_j.shape) -> per output i: (*out_i.shape, *input_j.shape)
-        per_output = []
-        offset = 0
-        for out in flat_out:
-            n = out.numel()
-            leaves = [g[offset : offset + n].view(*out.shape, *g.shape[1:]) for g in flat_in]
-            per_output.append(optree.tree_unflatten(in_spec, leaves))
-            offset += n
-        jacobian = optree.tree_unflatten(out_spec, per_output)
+        blocks, in_spec = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
+        jacobian = optree.tree_unflatten(out_spec, [optree.tree_unflatten(in_spec, b) for b in blocks])
         return (jacobian, aux) if has_aux else jacobian
 
     return wrapper

@@ -33,19 +33,8 @@ class LevelTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, op, types, args=(), kwargs=None):
         top = None
-        for a in args:
-            if isinstance(a, LevelTensor):
-                interp = a._interp
-                if top is None or interp.level > top.level:
-                    top = interp
-            elif type(a) is list or type(a) is tuple:
-                for e in a:
-                    if isinstance(e, LevelTensor):
-                        interp = e._interp
-                        if top is None or interp.level > top.level:
-                            top = interp
-        if kwargs:
-            for a in kwargs.values():
+        for group in (args, kwargs.values()) if kwargs else (args,):
+            for a in group:
                 if isinstance(a, LevelTensor):
                     interp = a._interp
                     if top is None or interp.level > top.level:
@@ -56,11 +45,9 @@ class LevelTensor(torch.Tensor):
                             interp = e._interp
                             if top is None or interp.level > top.level:
                                 top = interp
-        else:
-            kwargs = {}
         if not top.alive:
-            return _dispatch_with_dead_levels(op, args, kwargs)
-        return top.process(op, args, kwargs)
+            return _dispatch_with_dead_levels(op, args, kwargs or {})
+        return top.process(op, args, kwargs or {})
 
 
 def unwrap_dead(x):

@@ -5,6 +5,8 @@ dispatcher meets an op, the table resolves a handler once and caches it:
 
 1. the registered rule;
 1b. a template whose predicate accepts the op (e.g. every `Tag.pointwise` op);
+1c. the op's own CompositeImplicitAutograd kernel (such ops normally decompose before
+    reaching a level; they arrive only when called with autograd switched off);
 2. a `torch._decomp` decomposition, re-dispatched (its ops come back through the levels);
 3. the transform's fallback (vmap: a per-sample loop), if it has one;
 4. a handler that raises `NotImplementedError` naming the op and the transform.
@@ -26,6 +28,10 @@ _decompositions = torch._decomp.decomposition_table
 def decomposition_for(op):
     """The `torch._decomp` decomposition of `op`, or None."""
     return _decompositions.get(op)
+
+
+def _has_composite_implicit_kernel(op) -> bool:
+    return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def overloads(*ops):
@@ -81,7 +87,7 @@ class RuleTable:
             return "rule"
         if any(predicate(op) for predicate, _ in self.templates):
             return "template"
-        if decomposition_for(op) is not None:
+        if _has_composite_implicit_kernel(op) or decomposition_for(op) is not None:
             return "decomposition"
         return "fallback" if self.fallback is not None else "missing"
 
@@ -98,12 +104,20 @@ class RuleTable:
         for predicate, factory in self.templates:
             if predicate(op):
                 return factory(op)
+        if _has_composite_implicit_kernel(op):
+            return lambda interp, *args, **kwargs: op.decompose(*args, **kwargs)
+        last_resort = self.fallback(op) if self.fallback is not None else self._missing(op)
         decomposition = decomposition_for(op)
         if decomposition is not None:
-            return lambda interp, *args, **kwargs: decomposition(*args, **kwargs)
-        if self.fallback is not None:
-            return self.fallback(op)
-        return self._missing(op)
+
+            def decomposed(interp, *args, **kwargs):
+                out = decomposition(*args, **kwargs)
+                if out is NotImplemented:  # the decomposition declined these arguments
+                    return last_resort(interp, *args, **kwargs)
+                return out
+
+            return decomposed
+        return last_resort
 
     def _missing(self, op):
         message = (

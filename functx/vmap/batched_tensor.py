@@ -50,8 +50,10 @@ class VmapInterpreter(Interpreter):
     def process(self, op, args, kwargs):
         handler = VMAP_RULES.handler(op)
         # Autograd is switched off inside __torch_dispatch__. When a value one level down
-        # takes part in autograd (a plain tensor that requires grad, a grad level's
-        # tensor), the rule runs with it restored so that the value records its graph.
+        # takes part in autograd (a plain tensor that requires grad) or is another level's
+        # tensor, the rule runs with it restored: the value then records its graph, and
+        # CompositeImplicitAutograd ops decompose before reaching the level below, as
+        # they do outside any transform. Plain values skip the ~1 µs restore.
         if _values_need_autograd(args) or (kwargs and _values_need_autograd(kwargs.values())):
             with _restore_autograd():
                 return handler(self, *args, **kwargs)
@@ -79,10 +81,17 @@ class VmapInterpreter(Interpreter):
 
 
 def _values_need_autograd(args) -> bool:
+    """Whether a rule must run with the dispatch state of outside `__torch_dispatch__`
+    restored: some value takes part in autograd, belongs to another level, or carries
+    a lazy conjugate/negative bit (those keys are also switched off in here)."""
     for a in args:
         if isinstance(a, _Tensor):
-            if a.requires_grad or (type(a) is BatchedTensor and a._value.requires_grad):
+            if a.requires_grad or a.is_conj() or a.is_neg():
                 return True
+            if type(a) is BatchedTensor:
+                value = a._value
+                if value.requires_grad or isinstance(value, LevelTensor) or value.is_conj() or value.is_neg():
+                    return True
         elif type(a) is list or type(a) is tuple:
             if _values_need_autograd(a):
                 return True

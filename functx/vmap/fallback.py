@@ -36,6 +36,8 @@ def loop_fallback(op):
         )
 
     def fallback(interp, *args, **kwargs):
+        if interp.batch_size == 0:
+            refuse("the batch is empty (there is no element to run it on)")
         if config.fallback == "error":
             raise NotImplementedError(
                 f"functx.vmap: there is no batching rule for {name} and the per-sample "
@@ -86,6 +88,8 @@ def _select_kw(interp, kwargs, b):
 
 def _stack_results(interp, results, name):
     first = results[0]
+    if first is None and all(r is None for r in results):
+        return None  # ops that only check their inputs (e.g. _linalg_check_errors)
     if isinstance(first, torch.Tensor):
         return interp.wrap(torch.stack(results))
     if type(first) is tuple or type(first) is list:

@@ -17,6 +17,7 @@ The templates:
 from __future__ import annotations
 
 import torch
+import torch._prims  # noqa: F401  (is_elementwise_prim reads its factories)
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..core.errors import op_name
@@ -75,6 +76,100 @@ def raise_unbatched_inplace(op, target):
         f"e.g. use the out-of-place op or clone a batched tensor first "
         f"(`x = x.expand(...).clone()` / `torch.zeros_like(batched)`)."
     )
+
+
+def _argument_types(op):
+    return [(a.name, str(a.type)) for a in op._schema.arguments]
+
+
+def _functional_counterpart(op):
+    """`aten.foo.overload` for the in-place `aten.foo_.overload` (or the overload of
+    `aten.foo` with the same arguments: `floor_divide_.Tensor` -> `floor_divide.default`)."""
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), name[:-1], None)
+    if packet is None:
+        return None
+    if op._overloadname in packet.overloads():
+        return getattr(packet, op._overloadname)
+    wanted = _argument_types(op)
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        if _argument_types(candidate) == wanted:
+            return candidate
+    return None
+
+
+def is_inplace_with_functional(table):
+    """Predicate: an in-place op (not a view op) whose functional form `table` handles
+    with a rule or template."""
+
+    def predicate(op):
+        if torch.Tag.inplace not in op.tags or torch.Tag.inplace_view in op.tags:
+            return False
+        functional = _functional_counterpart(op)
+        return functional is not None and table.how(functional) in ("rule", "template")
+
+    return predicate
+
+
+def inplace_from_functional_rule(table):
+    """Template factory: run the functional op's rule, then write its result into `self`
+    (batched self only; torch's casting and shape rules for in-place results apply)."""
+
+    def factory(op):
+        functional = _functional_counterpart(op)
+
+        def rule(interp, x, *args, **kwargs):
+            out = table.handler(functional)(interp, x, *args, **kwargs)
+            if not interp.is_batched(x):
+                raise_unbatched_inplace(op, x)
+            if tuple(out.shape) != tuple(x.shape):
+                raise RuntimeError(
+                    f"output with shape {list(x.shape)} doesn't match the broadcast shape {list(out.shape)}"
+                )
+            if not torch.can_cast(out.dtype, x.dtype):
+                raise RuntimeError(f"result type {out.dtype} can't be cast to the desired output type {x.dtype}")
+            x._value.copy_(materialize(interp, out))
+            return x
+
+        rule.__name__ = f"inplace_{op.__name__}"
+        return rule
+
+    return factory
+
+
+def prim_elementwise_rule(op):
+    """Rule for an elementwise prim: prims do not broadcast (refs broadcast before calling
+    them), so every tensor argument is expanded to the full physical shape."""
+
+    def rule(interp, *args, **kwargs):
+        shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
+        batch = interp.batch_size
+
+        def full(a):
+            if not isinstance(a, Tensor):
+                return a
+            if interp.is_batched(a):
+                return pad_to_rank(a._value, a.dim(), len(shape)).expand(batch, *shape)
+            return a.expand(batch, *shape)
+
+        return interp.wrap_all(op(*[full(a) for a in args], **kwargs))
+
+    rule.__name__ = f"prim_elementwise_{op.__name__}"
+    return rule
+
+
+def is_elementwise_prim(op) -> bool:
+    """prims ops made by torch._prims' elementwise factories (refs call them after
+    broadcasting), prims.where and prims.convert_element_type."""
+    if op.namespace != "prims":
+        return False
+    if op._schema.name in ("prims::where", "prims::convert_element_type"):
+        return True
+    meta = getattr(op, "prim_meta_impl", None)
+    return getattr(meta, "func", None) is getattr(torch._prims, "_prim_elementwise_meta", object())
 
 
 # -- pointwise ------------------------------------------------------------------------
@@ -145,8 +240,53 @@ def is_pointwise(op) -> bool:
     return torch.Tag.pointwise in op.tags and torch.Tag.out not in op.tags
 
 
+# -- memory formats -------------------------------------------------------------------
+_CHANNELS_LAST_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def _memory_format_slot(op):
+    """(positional index or None, is kwarg-only) of the op's `memory_format` argument."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "memory_format":
+            return (None if argument.kwarg_only else i), argument.kwarg_only
+    return None, False
+
+
+def logical_memory_format(op, rule):
+    """Wrap `rule` of an op taking `memory_format` (copies, `*_like` factories, `to`):
+    channels_last asks for a layout of the *logical* rank-4/5 tensor, which the physical
+    value (one dim more) cannot be asked for directly. Run with contiguous_format, then
+    move the channel dim innermost behind the batch dim: the logical strides are then
+    exactly channels_last's."""
+    index, kwarg_only = _memory_format_slot(op)
+    if index is None and not kwarg_only:
+        return rule
+
+    def wrapped(interp, *args, **kwargs):
+        if kwarg_only:
+            fmt = kwargs.get("memory_format")
+        else:
+            fmt = args[index] if index < len(args) else kwargs.get("memory_format")
+        rank = _CHANNELS_LAST_RANK.get(fmt)
+        if rank is None:
+            return rule(interp, *args, **kwargs)
+        if args[0].dim() != rank:
+            raise RuntimeError(f"required rank {rank} tensor to use {str(fmt).split('.')[-1]} format")
+        if kwarg_only or index >= len(args):
+            kwargs = {**kwargs, "memory_format": torch.contiguous_format}
+        else:
+            args = (*args[:index], torch.contiguous_format, *args[index + 1 :])
+        out = rule(interp, *args, **kwargs)
+        if interp.is_batched(out):
+            return interp.wrap(out._value.movedim(2, -1).contiguous().movedim(-1, 2))
+        return out
+
+    wrapped.__name__ = getattr(rule, "__name__", "rule")
+    return wrapped
+
+
 # -- batch all: independent per element after moving every batch dim to the front -----
-_DIM_ARG_NAMES = ("dim", "dim0", "dim1", "dim2", "dims", "source", "destination")
+_DIM_ARG_NAMES = ("dim", "dim0", "dim1", "dim2", "dims", "dimension", "start_dim", "end_dim", "source", "destination")
 _KEEPDIM_NAMES = ("keepdim",)
 
 
@@ -179,8 +319,10 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
     Unbatched tensor arguments are expanded (a view, no copy). Dimension arguments
     (`dim`, `dims`, `dim0`, ...) are normalized against the logical rank of argument
     `rank_of` (plus `rank_offset`: 1 for ops such as unsqueeze that address the output
-    rank) and shifted past the batch dim. For reductions, `dim=None` or `dim=[]` means
-    every logical dim (or, for a single optional int dim, the flattened tensor).
+    rank) and shifted past the batch dim. `dim=None` means every logical dim (for a
+    single optional int dim: the flattened tensor); `dim=[]` too where `empty_means_all`
+    (default: ops tagged as reductions). For in-place view ops (`transpose_`) the
+    dispatcher then fixes the wrapper's own shape and strides (core.rules).
     """
     dims, keepdim = _schema_dims(op)
     if empty_means_all is None:
@@ -199,6 +341,10 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
         if inplace and not interp.is_batched(args[0]):
             raise_unbatched_inplace(op, args[0])
         scalar = rank == 0
+        # A 0-dim logical input runs as a 1-element 1-d one; remember the shapes the op
+        # gives for the real 0-dim arguments, to reshape the outputs to (before the
+        # physical arguments replace the logical ones).
+        scalar_shapes = _logical_output_shapes(op, args, kwargs) if scalar else None
 
         def phys(a):
             v = materialize(interp, a)
@@ -222,20 +368,17 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
             else:
                 value = d.default
             if d.kind == "int":
-                if value is None:
-                    if not empty_means_all:
+                if value is None:  # `int? dim=None`: the op works on the flattened tensor
+                    if type(args[0]) is list:
                         continue
-                    # reduce over the flattened tensor: flatten the physical self
                     args[0] = args[0].reshape(args[0].shape[0], -1)
                     new = 1
                     kd = _keepdim_value(args, kwargs, keepdim)
                     flatten_then_keep = rank if kd else None
                 else:
                     new = normalize_dim(value, effective_rank, op) + 1
-            else:
+            else:  # `int[]? dims=None` means every dim; `[]` only where `empty_means_all`
                 if value is None or (len(value) == 0 and empty_means_all):
-                    if not empty_means_all and value is None:
-                        continue
                     new = list(range(1, effective_rank + 1))
                 else:
                     new = [normalize_dim(v, effective_rank, op) + 1 for v in value]
@@ -250,7 +393,7 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
         out = op(*args, **kwargs)
         if inplace:
             return target
-        return _wrap_batch_all(interp, out, scalar, flatten_then_keep)
+        return _wrap_batch_all(interp, out, scalar_shapes, flatten_then_keep)
 
     rule.__name__ = f"batch_all_{op.__name__}"
     return rule
@@ -265,14 +408,46 @@ def _keepdim_value(args, kwargs, keepdim):
     return args[index] if index < len(args) else default
 
 
-def _wrap_batch_all(interp, out, scalar, keep_rank):
+def _to_meta(a):
+    if isinstance(a, Tensor):
+        return torch.empty(a.shape, dtype=a.dtype, device="meta")
+    if (type(a) is list or type(a) is tuple) and a and isinstance(a[0], Tensor):
+        return [_to_meta(t) for t in a]
+    return a
+
+
+def _logical_output_shapes(op, args, kwargs):
+    """Shapes of the op's tensor outputs for one batch element (run on meta tensors of the
+    logical shapes), as a flat list; None if the op has no meta kernel."""
+    try:
+        out = op(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
+    except Exception:
+        return None
+    if isinstance(out, Tensor):
+        return [out.shape]
+    shapes = []
+    for o in out if type(out) is tuple or type(out) is list else ():
+        if type(o) is list:
+            shapes.extend(t.shape for t in o)
+        elif isinstance(o, Tensor):
+            shapes.append(o.shape)
+    return shapes
+
+
+def _wrap_batch_all(interp, out, scalar_shapes, keep_rank):
+    """Wrap batch_all outputs; outputs computed from a 0-dim input run as 1-element 1-d
+    are reshaped to the shapes the op gives for the 0-dim input (`scalar_shapes`)."""
+    shapes = iter(scalar_shapes) if scalar_shapes is not None else None
+
     def fix(t):
         if not isinstance(t, Tensor):
             return t
         if keep_rank is not None:
             t = t.reshape(t.shape[0], *((1,) * keep_rank))
-        elif scalar and t.dim() == 2:
-            t = t.squeeze(1)
+        elif shapes is not None:
+            shape = next(shapes, None)
+            if shape is not None and t.numel() == t.shape[0] * shape.numel():
+                t = t.reshape(t.shape[0], *shape)
         return interp.wrap(t)
 
     if isinstance(out, Tensor):

@@ -99,3 +99,14 @@ def test_batched_jacobians_with_vmap():
 def test_jvp_errors(call, match):
     with pytest.raises(RuntimeError, match=match):
         call(torch.randn(3, dtype=D))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_jacfwd_by_columns_when_outputs_outnumber_inputs(chunk_size):
+    """Many more outputs than inputs: jacfwd builds the Jacobian column by column."""
+    w = torch.randn(12, 2, dtype=D)
+    f = lambda x: {"a": torch.sin(w @ x), "b": (w @ x).view(3, 4).exp()}  # noqa: E731
+    x = torch.randn(2, dtype=D)
+    got, want = jacfwd(f, chunk_size=chunk_size)(x), tf.jacfwd(f)(x)
+    torch.testing.assert_close(got["a"], want["a"])
+    torch.testing.assert_close(got["b"], want["b"])

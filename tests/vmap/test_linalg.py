@@ -165,30 +165,9 @@ PRODUCTS = [
 ]
 
 
-# Failures that come from rules outside linalg.py (see the linalg report); strict=False
-# so that they turn into XPASS once those rules are fixed.
-OTHER_FAMILIES = {
-    # matmul(1-D, non-contiguous W) runs mm then squeeze_.dim: the in-place view leaves
-    # the BatchedTensor wrapper's shape stale, so the bias add broadcasts wrongly.
-    ("linear_1d_input-ubb", -1): "squeeze_ does not update the wrapper's shape (views.py)",
-    ("linear_1d_input-bub", -1): "squeeze_ does not update the wrapper's shape (views.py)",
-    ("linear_1d_input-bbb", -1): "squeeze_ does not update the wrapper's shape (views.py)",
-    # kron _unsafe_views a pointwise result whose physical layout is not batch-outer.
-    ("kron-ub", -1): "_unsafe_view uses .view on a non-viewable physical value (views.py)",
-    ("kron-bu", -1): "_unsafe_view uses .view on a non-viewable physical value (views.py)",
-}
-
-
-def mark_other_families(request, case, dim):
-    reason = OTHER_FAMILIES.get((case, dim))
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
-
-
 @pytest.mark.parametrize("dim", [0, -1])
 @pytest.mark.parametrize("case, fn, makers, batched", list(cases_with_patterns(PRODUCTS)))
-def test_products(request, case, fn, makers, batched, dim):
-    mark_other_families(request, case, dim)
+def test_products(case, fn, makers, batched, dim):
     check(fn, makers, batched, dim)
 
 

@@ -153,7 +153,9 @@ def _dot(interp, a, b):
 @VMAP_RULES.register(aten.vdot.default)
 def _vdot(interp, a, b):
     _expect_dims("vdot", self=(a, 1), other=(b, 1))
-    return interp.wrap(_dot_physical(interp, a.conj(), b))
+    # conj_physical: a lazy conjugate bit made inside a rule would not be honoured by the
+    # kernels called here (the Conjugate dispatch key is off inside __torch_dispatch__).
+    return interp.wrap(_dot_physical(interp, a.conj_physical(), b))
 
 
 # -- products with an added term: addmm, addmv, addr, addbmm, baddbmm ----------------------

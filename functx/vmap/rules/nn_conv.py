@@ -1,1 +1,167 @@
-"""(in progress)"""
+"""Convolution: every F.conv{1,2,3}d / F.conv_transpose{1,2,3}d arrives as
+`aten.convolution` (the composite conv ops add and remove the N dim of an unbatched
+input, and turn padding="same"/"valid" into ints, before it), and its gradient as
+`aten.convolution_backward`.
+
+One kernel call per op, whichever arguments are batched; the vmap batch B goes into:
+- N, when only the input is batched (the weight is shared);
+- the output channels, when only the weight is batched (a model ensemble on one input);
+- the groups, when both are (functorch's and JAX's trick): input (B, N, C, ...) becomes
+  (N, B*C, ...), weight (B, O, C/g, ...) becomes (B*O, C/g, ...), groups g becomes B*g,
+  so each batch element's channels only ever meet its own weights.
+"""
+
+import torch
+
+from ..batched_tensor import VMAP_RULES
+from ..templates import materialize
+
+aten = torch.ops.aten
+
+
+# -- layout helpers ----------------------------------------------------------------------
+def _batch_into_groups(value):
+    """(B, N, C, *s) -> (N, B*C, *s): the channels of batch element b form block b."""
+    return value.movedim(0, 1).flatten(1, 2)
+
+
+def _groups_to_batch(out, batch):
+    """(N, B*C, *s) -> (B, N, C, *s), the inverse of `_batch_into_groups`."""
+    return out.unflatten(1, (batch, -1)).movedim(1, 0)
+
+
+def _group_major(value, groups):
+    """(B, O, ...) -> (B*O, ...) with the channels ordered (group, batch, channel in group).
+
+    torch gives group i the i-th contiguous block of output channels, so when the weight's
+    batch is folded into its output channels, each group's block must hold the channels
+    of that group for all B batch elements. Used for a batched weight (B, O, C/g, *k) and
+    its bias (B, O)."""
+    return value.unflatten(1, (groups, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def _transposed_group_major(weight):
+    """A batched transposed weight (B, C, O/g, *k) -> (C, B*O/g, *k): its output channels
+    (dim 1) are already per group, so B goes inside each group's block."""
+    return weight.movedim(0, 1).flatten(1, 2)
+
+
+def _from_group_major(out, batch, groups):
+    """(N, g*B*O/g, *s) ordered (group, batch, channel) -> (B, N, O, *s)."""
+    out = out.unflatten(1, (groups, batch, -1)).movedim(2, 0)
+    return out.flatten(2, 3)
+
+
+def _check_input_rank(input, weight):
+    if input.dim() != weight.dim():
+        raise RuntimeError(
+            f"Expected {weight.dim()}-dimensional input for {weight.dim()}-dimensional weight "
+            f"{list(weight.shape)}, but got {input.dim()}-dimensional input of size "
+            f"{list(input.shape)} instead"
+        )
+
+
+# -- aten.convolution -----------------------------------------------------------------------
+def _convolution_rule(op):
+    """Rule for `convolution` and `_convolution` (the latter has four trailing flags)."""
+
+    def rule(interp, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *flags):
+        def conv(x, w, b, g):
+            return op(x, w, b, stride, padding, dilation, transposed, output_padding, g, *flags)
+
+        _check_input_rank(input, weight)
+        batch = interp.batch_size
+        input_batched, weight_batched = interp.is_batched(input), interp.is_batched(weight)
+        if weight_batched:
+            bias_value = None if bias is None else materialize(interp, bias)
+            if input_batched:  # B into the groups
+                w = weight._value.flatten(0, 1)
+                b = None if bias_value is None else bias_value.flatten(0, 1)
+                out = conv(_batch_into_groups(input._value), w, b, groups * batch)
+                return interp.wrap(_groups_to_batch(out, batch))
+            # B into the output channels
+            w = _transposed_group_major(weight._value) if transposed else _group_major(weight._value, groups)
+            b = None if bias_value is None else _group_major(bias_value, groups)
+            return interp.wrap(_from_group_major(conv(input, w, b, groups), batch, groups))
+
+        bias_batched = interp.is_batched(bias)
+        shared_bias = None if bias_batched else bias
+        if input_batched:  # B into N
+            out = conv(input._value.flatten(0, 1), weight, shared_bias, groups).unflatten(0, (batch, -1))
+        else:  # only the bias is batched
+            out = conv(input, weight, None, groups)
+        if bias_batched:  # (B, O) added along the channel dim of (B, N, O, *s)
+            spatial = weight.dim() - 2
+            out = out + bias._value.view(batch, 1, -1, *(1,) * spatial)
+        return interp.wrap(out)
+
+    rule.__name__ = f"batch_{op.__name__}"
+    return rule
+
+
+VMAP_RULES.set(aten.convolution.default, _convolution_rule(aten.convolution.default))
+VMAP_RULES.set(aten._convolution.default, _convolution_rule(aten._convolution.default))
+
+
+# -- aten.convolution_backward -----------------------------------------------------------------
+@VMAP_RULES.register(aten.convolution_backward.default)
+def _convolution_backward(
+    interp,
+    grad_output,
+    input,
+    weight,
+    bias_sizes,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+):
+    """Gradients of a convolution, as `vmap(grad(...))` asks for them (per-sample weight
+    gradients being the common case). grad_input depends on (grad_output, weight),
+    grad_weight on (grad_output, input), grad_bias on grad_output; each result is
+    computed batched only when what it depends on is, in at most three kernel calls:
+    - grad_input with a shared weight: B folded into N;
+    - everything else batched: B folded into the groups (per-sample grad_weight);
+    - unbatched results: one plain call, expanded over the batch.
+    """
+    batch = interp.batch_size
+    go_b, x_b, w_b = (interp.is_batched(t) for t in (grad_output, input, weight))
+    _check_input_rank(input, weight)
+
+    def backward(go, x, w, sizes, g, mask):
+        return aten.convolution_backward.default(
+            go, x, w, sizes, stride, padding, dilation, transposed, output_padding, g, mask
+        )
+
+    grouped, folded, plain = [False] * 3, [False] * 3, [False] * 3
+    if output_mask[0]:
+        (grouped if w_b else folded if go_b else plain)[0] = True
+    if output_mask[1]:
+        (grouped if go_b or x_b else plain)[1] = True
+    if output_mask[2]:
+        (grouped if go_b else plain)[2] = True
+
+    results = [None, None, None]
+    if any(grouped):
+        go, x, w = (materialize(interp, t) for t in (grad_output, input, weight))
+        sizes = None if bias_sizes is None else [batch * bias_sizes[0]]
+        out = backward(_batch_into_groups(go), _batch_into_groups(x), w.flatten(0, 1), sizes, batch * groups, grouped)
+        if grouped[0]:
+            results[0] = _groups_to_batch(out[0], batch)
+        for i in (1, 2):
+            if grouped[i]:
+                results[i] = out[i].unflatten(0, (batch, -1))
+    if any(folded):  # grad_input only: grad_output batched, weight shared
+        go = grad_output._value.flatten(0, 1)
+        x = materialize(interp, input).flatten(0, 1)  # only its shape matters
+        results[0] = backward(go, x, weight, None, groups, folded)[0].unflatten(0, (batch, -1))
+    if any(plain):  # results whose inputs are all unbatched; the batched ones give only shapes
+        go, x, w = (t._value.select(0, 0) if interp.is_batched(t) else t for t in (grad_output, input, weight))
+        out = backward(go, x, w, bias_sizes, groups, plain)
+        for i in range(3):
+            if plain[i]:
+                results[i] = out[i].expand(batch, *out[i].shape)
+    return tuple(None if r is None else interp.wrap(r) for r in results)

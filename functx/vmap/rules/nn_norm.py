@@ -1,1 +1,212 @@
-"""(in progress)"""
+"""Normalization: batch norm, layer norm, group norm (instance norm is batch norm).
+
+What reaches vmap (torch 2.x, CPU): F.batch_norm -> aten.native_batch_norm;
+F.layer_norm -> aten.native_layer_norm; F.group_norm -> aten.native_group_norm;
+F.instance_norm views (N, C, ...) as (1, N*C, ...) and runs native_batch_norm in
+training mode, so it needs no rule of its own. The `_native_batch_norm_legit*` and
+`_batch_norm_{with,no}_update` forms (used by tracing) share the batch-norm rule; on CUDA
+`cudnn_batch_norm` decomposes into native_batch_norm.
+
+Two ways to fold the vmap batch B into one kernel call:
+- into the sample dim N, when every batch element normalizes with the same statistics
+  and parameters (layer/group norm always; batch norm in eval mode with unbatched
+  running stats);
+- into the channel dim C, when the statistics are per (batch element, channel): batch
+  norm in training mode computes them over the logical (N, *spatial) of each element,
+  so (B, N, C, ...) runs as (N, B*C, ...) with parameters and running stats of size B*C.
+Batched affine parameters (model ensembles) are applied afterwards with broadcasting,
+after one normalization call without them.
+"""
+
+import torch
+
+from ..batched_tensor import VMAP_RULES
+from ..templates import materialize, pad_to_rank
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+# -- shared helpers -------------------------------------------------------------------------
+def _any_batched(interp, *tensors) -> bool:
+    return any(interp.is_batched(t) for t in tensors if t is not None)
+
+
+def _feature_view(interp, t, trailing: int, out_rank: int):
+    """Physical value of a per-feature tensor (weight/bias) that broadcasts against a
+    physical output whose batch dim is in front and whose logical rank is `out_rank`;
+    `trailing` size-1 dims go after the feature dims (channel-at-dim-1 parameters)."""
+    if interp.is_batched(t):
+        value = t._value.reshape(*t._value.shape, *((1,) * trailing))
+        return pad_to_rank(value, t.dim() + trailing, out_rank)
+    return t.reshape(*t.shape, *((1,) * trailing))
+
+
+def _apply_affine(interp, out, out_rank: int, weight, bias, trailing: int):
+    """out * weight + bias, weight/bias batched or not, out a physical value or a plain
+    (unbatched) tensor; the result is physical, with the batch dim in front."""
+    if weight is not None:
+        out = out * _feature_view(interp, weight, trailing, out_rank)
+    if bias is not None:
+        out = out + _feature_view(interp, bias, trailing, out_rank)
+    return out
+
+
+def _batched_stat(interp, t, batched_source: bool):
+    """A statistic output (mean/rstd): batched as is, or expanded when it was computed
+    from unbatched values (it is the same for every batch element)."""
+    return interp.wrap(t if batched_source else t.expand(interp.batch_size, *t.shape))
+
+
+# -- layer norm -----------------------------------------------------------------------------
+@VMAP_RULES.register(aten.native_layer_norm.default)
+def _native_layer_norm(interp, input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """Normalized dims are the trailing ones, so the batch dim in front is just one more
+    leading dim: one call. Batched weight/bias are applied after an affine-free call."""
+    x_batched = interp.is_batched(input)
+    x = input._value if x_batched else input
+    if not _any_batched(interp, weight, bias):
+        return interp.wrap_all(aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps))
+    out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, None, None, eps)
+    out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=0)
+    return interp.wrap(out), _batched_stat(interp, mean, x_batched), _batched_stat(interp, rstd, x_batched)
+
+
+# -- group norm -----------------------------------------------------------------------------
+@VMAP_RULES.register(aten.native_group_norm.default)
+def _native_group_norm(interp, input, weight, bias, N, C, HxW, group, eps):
+    """Groups are per sample, so B folds into N: (B, N, C, ...) runs as (B*N, C, ...)."""
+    rank = input.dim()
+    affine_batched = _any_batched(interp, weight, bias)
+    if not interp.is_batched(input):  # only weight/bias are batched
+        out, mean, rstd = aten.native_group_norm.default(input, None, None, N, C, HxW, group, eps)
+        out = _apply_affine(interp, out, rank, weight, bias, trailing=rank - 2)
+        return interp.wrap(out), _batched_stat(interp, mean, False), _batched_stat(interp, rstd, False)
+    batch = interp.batch_size
+    x = input._value.flatten(0, 1).contiguous()  # the kernel requires it, as F.group_norm ensures
+    w, b = (None, None) if affine_batched else (weight, bias)
+    out, mean, rstd = aten.native_group_norm.default(x, w, b, batch * N, C, HxW, group, eps)
+    out = out.unflatten(0, (batch, N))
+    if affine_batched:
+        out = _apply_affine(interp, out, rank, weight, bias, trailing=rank - 2)
+    return interp.wrap(out), interp.wrap(mean.unflatten(0, (batch, N))), interp.wrap(rstd.unflatten(0, (batch, N)))
+
+
+# -- batch norm -----------------------------------------------------------------------------
+def _unbatched_running_stats_error():
+    return RuntimeError(
+        "vmap: batch norm in training mode got a tensor batched at this vmap level (its input, "
+        "or one of its running stats) while its running_mean/running_var, which it updates in "
+        "place, are not (all) batched (Batch norm got a batched tensor as input while the "
+        "running_mean or running_var were not batched): every batch element would need its own "
+        "running statistics. Fixes: call "
+        "functx.nn.replace_all_batch_norm_modules_(model) to stop tracking running stats; or build "
+        "the BatchNorm modules with track_running_stats=False; or run the model in eval mode "
+        "(model.eval()), which only reads the running stats; or pass running_mean/running_var "
+        "batched (one buffer per batch element, e.g. stacked with stack_module_state)."
+    )
+
+
+def _empty_like_save(interp, t):
+    """Eval mode returns empty save_mean/save_invstd; give them a batch dim."""
+    return interp.wrap(t.expand(interp.batch_size, *t.shape))
+
+
+def _batch_norm_fold_n(interp, input, weight, bias, running_mean, running_var, momentum, eps):
+    """Eval mode, unbatched running stats: every element uses the same statistics, so
+    (B, N, C, ...) runs as (B*N, C, ...); batched weight/bias are applied afterwards."""
+    batch = interp.batch_size
+    value = input._value
+    affine_batched = _any_batched(interp, weight, bias)
+    w, b = (None, None) if affine_batched else (weight, bias)
+    out, save_mean, save_invstd = aten.native_batch_norm.default(
+        value.flatten(0, 1), w, b, running_mean, running_var, False, momentum, eps
+    )
+    out = out.unflatten(0, (batch, value.shape[1]))
+    if affine_batched:
+        out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=input.dim() - 2)
+    return interp.wrap(out), _empty_like_save(interp, save_mean), _empty_like_save(interp, save_invstd)
+
+
+def _flat_channels(interp, t):
+    """(B, C) physical value of a per-channel tensor flattened to B*C (None stays None)."""
+    return None if t is None else materialize(interp, t).reshape(-1)
+
+
+def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(B, N, C, ...) runs as (N, B*C, ...): statistics per (batch element, channel) over
+    the logical (N, *spatial), exactly as each element alone would compute them."""
+    batch = interp.batch_size
+    x = materialize(interp, input)
+    channels = x.shape[2]
+    folded = x.movedim(0, 1).flatten(1, 2)
+    stats = [_flat_channels(interp, s) for s in (running_mean, running_var)]
+    out, save_mean, save_invstd = aten.native_batch_norm.default(
+        folded, _flat_channels(interp, weight), _flat_channels(interp, bias), *stats, training, momentum, eps
+    )
+    if training:
+        # The kernel updated the flattened stats in place; when reshape had to copy
+        # (a non-contiguous batched buffer), write the update back. A no-op otherwise.
+        for original, flat in zip((running_mean, running_var), stats):
+            if original is not None:
+                original._value.copy_(flat.view(batch, channels))
+    out = out.unflatten(1, (batch, channels)).movedim(1, 0)
+    if save_mean.numel() == batch * channels:  # training: per (element, channel) statistics
+        stats = (interp.wrap(t.view(batch, channels)) for t in (save_mean, save_invstd))
+    else:  # eval: empty tensors
+        stats = (_empty_like_save(interp, t) for t in (save_mean, save_invstd))
+    return (interp.wrap(out), *stats)
+
+
+def _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """native_batch_norm's batching rule: (out, save_mean, save_invstd)."""
+    if not training and (running_mean is None or running_var is None):
+        raise RuntimeError("batch_norm: running_mean and running_var must be defined in evaluation mode")
+    x_batched = interp.is_batched(input)
+    stats = [s for s in (running_mean, running_var) if s is not None]
+    stats_batched = [interp.is_batched(s) for s in stats]
+    if not x_batched and not any(stats_batched):
+        # Only weight/bias are batched (an ensemble on one input): normalize once.
+        out, save_mean, save_invstd = aten.native_batch_norm.default(
+            input, None, None, running_mean, running_var, training, momentum, eps
+        )
+        out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=input.dim() - 2)
+        return interp.wrap(out), _batched_stat(interp, save_mean, False), _batched_stat(interp, save_invstd, False)
+    if training and not all(stats_batched):
+        raise _unbatched_running_stats_error()
+    if not training and not any(stats_batched):
+        return _batch_norm_fold_n(interp, input, weight, bias, running_mean, running_var, momentum, eps)
+    return _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@VMAP_RULES.register(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
+def _native_batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+@VMAP_RULES.register(aten._native_batch_norm_legit.no_stats)
+def _native_batch_norm_legit_no_stats(interp, input, weight, bias, training, momentum, eps):
+    return _batch_norm(interp, input, weight, bias, None, None, training, momentum, eps)
+
+
+@VMAP_RULES.register(aten._native_batch_norm_legit_no_training.default)
+def _native_batch_norm_legit_no_training(interp, input, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm(interp, input, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+def _with_reserve(interp, input, outputs):
+    """The `_batch_norm_*_update` ops also return an empty uint8 `reserve` buffer."""
+    reserve = interp.unwrap(input).new_empty((interp.batch_size, 0), dtype=torch.uint8)
+    return (*outputs, interp.wrap(reserve))
+
+
+@VMAP_RULES.register(aten._batch_norm_with_update.default)
+def _batch_norm_with_update(interp, input, weight, bias, running_mean, running_var, momentum, eps):
+    outputs = _batch_norm(interp, input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return _with_reserve(interp, input, outputs)
+
+
+@VMAP_RULES.register(aten._batch_norm_no_update.default)
+def _batch_norm_no_update(interp, input, weight, bias, running_mean, running_var, momentum, eps):
+    outputs = _batch_norm(interp, input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return _with_reserve(interp, input, outputs)

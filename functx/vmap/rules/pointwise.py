@@ -4,13 +4,28 @@ that broadcast the same way (copies, casts, fills)."""
 import torch
 
 from ..batched_tensor import VMAP_RULES
-from ..templates import is_pointwise, pointwise_rule
+from ..templates import (
+    inplace_from_functional_rule,
+    is_elementwise_prim,
+    is_inplace_with_functional,
+    is_pointwise,
+    logical_memory_format,
+    pad_to_rank,
+    pointwise_rule,
+    prim_elementwise_rule,
+    raise_unbatched_inplace,
+)
 
 aten = torch.ops.aten
 
 _NOT_POINTWISE = {aten.equal.default, aten.rrelu.default}  # data-dependent / random: see their files
 
 VMAP_RULES.add_template(lambda op: is_pointwise(op) and op not in _NOT_POINTWISE, pointwise_rule)
+# Elementwise prims reach vmap from torch._refs-based decompositions.
+VMAP_RULES.add_template(is_elementwise_prim, prim_elementwise_rule)
+# `foo_` whose functional `foo` has a rule (eq_, cumprod_, copysign_, ...): run `foo`'s
+# rule and write into self, instead of a decomposition into prims or the loop.
+VMAP_RULES.add_template(is_inplace_with_functional(VMAP_RULES), inplace_from_functional_rule(VMAP_RULES))
 
 for _op in (
     aten._to_copy.default,
@@ -29,9 +44,6 @@ for _op in (
     aten.zero_.default,
     aten.zero.default,
     aten.copy_.default,
-    aten.copy.default,
-    aten.masked_fill.Tensor,
-    aten.masked_fill_.Tensor,
     aten.masked_fill_.Scalar,
     aten.where.self,
     aten.where.ScalarSelf,
@@ -41,8 +53,6 @@ for _op in (
     aten.clamp.Tensor,
     aten.logical_not.default,
     aten.bitwise_not.default,
-    aten._conj.default,
-    aten._neg_view.default,
     aten.conj_physical.default,
     aten.resolve_conj.default,
     aten.resolve_neg.default,
@@ -61,6 +71,8 @@ for _op in (
     aten.complex.default,
     aten.logit.default,
     aten.heaviside.default,
+    aten.floor_divide.default,
+    aten.floor_divide.Scalar,
     aten.relu.default,
     aten.hardswish.default,
     aten.hardswish_backward.default,
@@ -74,4 +86,65 @@ for _op in (
     aten.hardshrink_backward.default,
 ):
     if _op not in VMAP_RULES.rules:
-        VMAP_RULES.set(_op, pointwise_rule(_op))
+        VMAP_RULES.set(_op, logical_memory_format(_op, pointwise_rule(_op)))
+
+
+# `to` returns `self` itself when nothing changes, so the rule returns the same wrapper.
+def _to_rule(op):
+    def rule(interp, x, *args, **kwargs):
+        value = x._value
+        out = op(value, *args, **kwargs)
+        return x if out is value else interp.wrap(out)
+
+    return logical_memory_format(op, rule)
+
+
+for _name in aten.to.overloads():
+    VMAP_RULES.set(getattr(aten.to, _name), _to_rule(getattr(aten.to, _name)))
+
+
+def _masked_fill_tensor_rule(op):
+    """masked_fill needs a 0-dim `value`; a batched one (one fill value per element) turns
+    into a `where` with the value broadcast over each element's padded dims."""
+    inplace = op is aten.masked_fill_.Tensor
+    broadcasting = pointwise_rule(op)
+
+    def rule(interp, x, mask, value):
+        if not interp.is_batched(value):
+            return broadcasting(interp, x, mask, value)
+        if inplace and not interp.is_batched(x):
+            raise_unbatched_inplace(op, x)
+        rank = max(x.dim(), mask.dim())
+        fill = value._value.to(x.dtype).view(-1, *((1,) * rank))
+        self_value = pad_to_rank(interp.unwrap(x), x.dim(), rank) if interp.is_batched(x) else x
+        mask_value = pad_to_rank(interp.unwrap(mask), mask.dim(), rank) if interp.is_batched(mask) else mask
+        out = torch.where(mask_value, fill, self_value)
+        if inplace:
+            x._value.copy_(out.expand_as(x._value))
+            return x
+        return interp.wrap(out)  # out-of-place masked_fill broadcasts self and mask, as where does
+
+    return rule
+
+
+for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Tensor):
+    VMAP_RULES.set(_op, _masked_fill_tensor_rule(_op))
+
+
+@VMAP_RULES.register(aten.copy.default)
+def _copy(interp, x, src, non_blocking=False):
+    """Functional copy: a new tensor of `x`'s shape and dtype holding `src` broadcast; it
+    is batched when either is (an unbatched `x` only gives the shape)."""
+    batch = interp.batch_size
+    if interp.is_batched(src):
+        values = pad_to_rank(src._value, src.dim(), x.dim())
+        return interp.wrap(values.to(x.dtype).expand(batch, *x.shape).clone())
+    return interp.wrap(aten.copy.default(x._value, src, non_blocking))
+
+
+# Lazy conjugate/negative views are materialized: kernels called from a rule run with
+# torch's Conjugate/Negative dispatch keys excluded (we are inside __torch_dispatch__), so
+# a conj/neg bit on a physical value would be silently ignored; and a wrapper without the
+# bit would make torch's C++ code skip resolve_conj before kernels that ignore it.
+VMAP_RULES.set(aten._conj.default, lambda interp, x: interp.wrap(aten.conj_physical.default(x._value)))
+VMAP_RULES.set(aten._neg_view.default, lambda interp, x: interp.wrap(aten.neg.default(x._value)))

@@ -5,9 +5,14 @@ import functools
 
 import torch
 
-from ...core.errors import op_name
 from ..batched_tensor import VMAP_RULES
-from ..templates import batch_all_rule, logical_memory_format, materialize, normalize_dim, raise_unbatched_inplace
+from ..templates import (
+    batch_all_rule,
+    logical_memory_format,
+    materialize,
+    normalize_dim,
+    raise_unbatched_inplace,
+)
 
 aten = torch.ops.aten
 
@@ -39,7 +44,10 @@ for _op in (
     aten.diagonal_scatter.default,
     aten.flip.default,
     aten.transpose_.default,
+    aten.swapdims_.default,
+    aten.swapaxes_.default,
     aten.squeeze_.dim,
+    aten.squeeze_.dims,
 ):
     VMAP_RULES.set(_op, batch_all_rule(_op))
 
@@ -105,6 +113,37 @@ def _squeeze_(interp, x):
     return x
 
 
+@VMAP_RULES.register(aten.t_.default)
+def _t_(interp, x):
+    if x.dim() == 2:
+        x._value.transpose_(1, 2)
+    return x
+
+
+@VMAP_RULES.register(aten.as_strided_.default)
+def _as_strided_(interp, x, size, stride, storage_offset=None):
+    value = x._value
+    offset = value.storage_offset() if storage_offset is None else storage_offset
+    value.as_strided_([value.shape[0], *size], [value.stride(0), *stride], offset)
+    return x
+
+
+@VMAP_RULES.register(aten.detach_.default)
+def _detach_(interp, x):
+    x._value.detach_()
+    return x
+
+
+@VMAP_RULES.register(torch.ops.prims.broadcast_in_dim.default)
+def _broadcast_in_dim(interp, x, shape, broadcast_dimensions):
+    value = x._value
+    return interp.wrap(
+        torch.ops.prims.broadcast_in_dim.default(
+            value, [value.shape[0], *shape], [0, *(d + 1 for d in broadcast_dimensions)]
+        )
+    )
+
+
 @VMAP_RULES.register(aten.t.default, aten.numpy_T.default)
 def _t(interp, x):
     value = x._value
@@ -159,26 +198,41 @@ def _as_strided_scatter(interp, x, src, size, stride, storage_offset=None):
     return interp.wrap(out)
 
 
-def _refuse_resize(op, x, size):
+def _resize_value(interp, x, size):
+    """Resize every element to `size` in place, keeping each element's leading values in
+    order (as torch.Tensor.resize_ does per tensor): the physical value is re-pointed at a
+    (B, *size) tensor; the dispatcher then fixes the wrapper's metadata (inplace_view)."""
+    value = x._value
+    batch = value.shape[0]
     if tuple(size) == tuple(x.shape):
-        return x  # nothing to resize: torch returns self unchanged
-    raise RuntimeError(
-        f"vmap: {op_name(op)} would change the shape of a batched tensor in place from "
-        f"{tuple(x.shape)} to {tuple(size)}; a tensor's shape inside vmap is fixed. Create a "
-        f"tensor of the new shape instead (x.new_empty(size), x.reshape(size), torch.zeros_like)."
-    )
+        return x
+    old, new = x.numel(), 1
+    for s in size:
+        new *= s
+    if old == new:
+        resized = value.reshape(batch, *size)
+    else:
+        resized = value.new_empty((batch, *size))
+        keep = min(old, new)
+        resized.view(batch, -1)[:, :keep] = value.reshape(batch, -1)[:, :keep]
+    value.set_(resized)
+    return x
 
 
 @VMAP_RULES.register(aten.resize_.default)
 def _resize_(interp, x, size, *, memory_format=None):
-    return _refuse_resize(aten.resize_.default, x, size)
+    if not interp.is_batched(x):
+        raise_unbatched_inplace(aten.resize_.default, x)
+    return _resize_value(interp, x, size)
 
 
 @VMAP_RULES.register(aten.resize_as_.default)
 def _resize_as_(interp, x, template, *, memory_format=None):
-    if not interp.is_batched(x) and tuple(x.shape) != tuple(template.shape):
+    if not interp.is_batched(x):
+        if tuple(x.shape) == tuple(template.shape):
+            return x  # nothing to write: the batched template only gives the shape
         raise_unbatched_inplace(aten.resize_as_.default, x)
-    return _refuse_resize(aten.resize_as_.default, x, template.shape)
+    return _resize_value(interp, x, template.shape)
 
 
 def _contiguous(interp, x, *, memory_format=torch.contiguous_format):

@@ -1,0 +1,225 @@
+"""vmap of glu, prelu, pixel/channel shuffles, one_hot and scaled dot product attention
+(functx/vmap/rules/nn_misc.py) against per-sample loops.
+
+Every case runs for each non-empty set of batched arguments (e.g. prelu's weight batched
+alone = a model ensemble on one input), with the batch dim at 0 and at the last dim,
+under `vmap_fallback("error")`, which proves that no per-sample loop ran. Gradients taken
+inside vmap send the backward ops (glu_backward, the attention backward) to vmap too.
+"""
+
+import itertools
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import functx
+from functx import vmap
+
+B = 3  # batch size of every test
+f64 = torch.float64
+aten = torch.ops.aten
+
+
+# -- the check -------------------------------------------------------------------------------
+def randn(*shape, dtype=f64):
+    return lambda: torch.randn(shape, dtype=dtype)
+
+
+def boolean(*shape):
+    """A random mask with at least one True per row (an all-False attention row is NaN)."""
+    return lambda: (torch.rand(shape) > 0.4) | torch.eye(shape[-2], shape[-1], dtype=torch.bool)
+
+
+def stack_tree(outs):
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(outs)
+    return type(first)(stack_tree([o[i] for o in outs]) for i in range(len(first)))
+
+
+def loop(fn, args, in_dims):
+    return stack_tree([fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(B)])
+
+
+def batched_inputs(makers, pattern, dim):
+    """Args (batched ones: B samples stacked at `dim`) and their in_dims."""
+    args = [torch.stack([make() for _ in range(B)], dim=dim) if batched else make() for make, batched in zip(makers, pattern)]
+    return args, tuple(dim if batched else None for batched in pattern)
+
+
+def check(fn, makers, pattern, dim):
+    args, in_dims = batched_inputs(makers, pattern, dim)
+    with functx.vmap_fallback("error"):
+        out = vmap(fn, in_dims=in_dims)(*args)
+    torch.testing.assert_close(out, loop(fn, args, in_dims))
+
+
+def with_patterns(cases, dims=(0, -1)):
+    """pytest params: every case times every non-empty set of batched arguments with the
+    batch dim at 0; at the last dim, only one argument batched or all of them (enough to
+    catch a rule that ignores where the batch dim was, at a fraction of the cost)."""
+    for name, fn, makers in cases:
+        for pattern in itertools.product((False, True), repeat=len(makers)):
+            for dim in dims:
+                if not any(pattern) or (dim != 0 and 1 < sum(pattern) < len(pattern)):
+                    continue
+                label = "".join("b" if p else "u" for p in pattern)
+                where = "first" if dim == 0 else "last"
+                yield pytest.param(fn, makers, pattern, dim, id=f"{name}-{label}-{where}")
+
+
+def grad_of(fn, *wrt):
+    """x, *rest -> d sum(fn(x, *rest) * cotangent) / d (args at `wrt`), for one sample."""
+
+    def grads(*args):
+        args = [a.detach().requires_grad_() if i in wrt else a for i, a in enumerate(args)]
+        out = fn(*args)
+        cotangent = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        return torch.autograd.grad(out, [args[i] for i in wrt], cotangent)
+
+    return grads
+
+
+# -- activations and shuffles -----------------------------------------------------------------
+CASES = [
+    ("glu", F.glu, (randn(4, 6),)),
+    ("glu_dim0", partial(F.glu, dim=0), (randn(4, 3),)),
+    ("glu_1d", F.glu, (randn(6),)),
+    ("glu_grad", grad_of(partial(F.glu, dim=1), 0), (randn(2, 4, 3),)),
+    ("prelu", F.prelu, (randn(2, 3, 4), randn(3))),
+    ("prelu_shared_weight", F.prelu, (randn(2, 3, 4, 2), randn(1))),
+    ("prelu_2d", F.prelu, (randn(4, 3), randn(3))),
+    ("prelu_1d", F.prelu, (randn(5), randn(1))),
+    ("prelu_grad", grad_of(F.prelu, 0, 1), (randn(2, 3, 4), randn(3))),
+    ("pixel_shuffle", partial(F.pixel_shuffle, upscale_factor=2), (randn(2, 8, 3, 3),)),
+    ("pixel_shuffle_one_image", partial(F.pixel_shuffle, upscale_factor=2), (randn(4, 2, 3),)),
+    ("pixel_shuffle_grad", grad_of(partial(F.pixel_shuffle, upscale_factor=2), 0), (randn(1, 4, 2, 2),)),
+    ("pixel_unshuffle", partial(F.pixel_unshuffle, downscale_factor=2), (randn(2, 2, 4, 6),)),
+    ("pixel_unshuffle_one_image", partial(F.pixel_unshuffle, downscale_factor=2), (randn(1, 4, 2),)),
+    ("channel_shuffle", partial(F.channel_shuffle, groups=2), (randn(2, 4, 3, 3),)),
+    ("channel_shuffle_1d", partial(F.channel_shuffle, groups=3), (randn(2, 6, 5),)),
+    ("native_channel_shuffle", lambda x: aten.native_channel_shuffle(x, 2), (randn(2, 4, 3),)),
+    ("one_hot", lambda t: F.one_hot(t, 5), (lambda: torch.randint(0, 5, (4,)),)),
+]
+
+
+@pytest.mark.parametrize("fn, makers, pattern, dim", list(with_patterns(CASES)))
+def test_activations_and_shuffles(fn, makers, pattern, dim):
+    check(fn, makers, pattern, dim)
+
+
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (partial(F.pixel_shuffle, upscale_factor=2), "pixel_shuffle expects input to have at least 3 dimensions"),
+        (partial(F.pixel_unshuffle, downscale_factor=2), "pixel_unshuffle expects input to have at least 3 dimensions"),
+        (partial(F.channel_shuffle, groups=2), "channel_shuffle expects input with > 2 dims"),
+    ],
+    ids=["pixel_shuffle", "pixel_unshuffle", "channel_shuffle"],
+)
+def test_shuffles_check_the_logical_rank(fn, match):
+    """The physical value has one more dim, which the kernel alone would accept."""
+    with pytest.raises(RuntimeError, match=match):
+        vmap(fn)(torch.randn(B, 4, 4))
+
+
+def test_one_hot_without_num_classes_is_data_dependent():
+    with pytest.raises(RuntimeError, match="item"):
+        vmap(F.one_hot)(torch.randint(0, 5, (B, 4)))
+
+
+def test_nested_prelu_ensemble():
+    x = torch.randn(B, 2, 3, 4, dtype=f64)
+    w = torch.randn(2, 3, dtype=f64)
+    with functx.vmap_fallback("error"):
+        out = vmap(vmap(F.prelu, in_dims=(None, 0)), in_dims=(0, None))(x, w)
+    expected = torch.stack([torch.stack([F.prelu(x[i], w[j]) for j in range(2)]) for i in range(B)])
+    torch.testing.assert_close(out, expected)
+
+
+# -- scaled dot product attention ----------------------------------------------------------------
+def sdpa(q, k, v, mask=None, **options):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
+
+
+def sdpa_flash_with_lse(q, k, v):
+    """The aten op: also returns the logsumexp, which the backward reads. Like
+    F.scaled_dot_product_attention, give it contiguous inputs: the CPU kernel misreads a
+    strided last dim (which the per-sample slices at in_dims=-1 have)."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=0.5)
+
+
+ATTENTION = [
+    ("sdpa", sdpa, (randn(2, 3, 4, 8), randn(2, 3, 6, 8), randn(2, 3, 6, 5))),
+    ("sdpa_causal_scale", partial(sdpa, is_causal=True, scale=0.3), (randn(2, 2, 5, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4))),
+    ("sdpa_mask_2d", sdpa, (randn(2, 3, 4, 8), randn(2, 3, 6, 8), randn(2, 3, 6, 8), randn(4, 6))),
+    ("sdpa_mask_4d", sdpa, (randn(2, 3, 4, 8), randn(2, 3, 6, 8), randn(2, 3, 6, 8), randn(2, 1, 4, 6))),
+    ("sdpa_mask_4d_shared", sdpa, (randn(2, 3, 4, 8), randn(2, 3, 6, 8), randn(2, 3, 6, 8), randn(1, 3, 4, 6))),
+    ("sdpa_bool_mask", sdpa, (randn(2, 3, 4, 8), randn(2, 3, 4, 8), randn(2, 3, 4, 8), boolean(4, 4))),
+    ("sdpa_math_3d", sdpa, (randn(3, 4, 8), randn(3, 6, 8), randn(3, 6, 8), randn(4, 6))),
+    ("sdpa_flash_lse", sdpa_flash_with_lse, (randn(2, 3, 4, 8), randn(2, 3, 4, 8), randn(2, 3, 4, 8))),
+]
+
+
+@pytest.mark.parametrize("fn, makers, pattern, dim", list(with_patterns(ATTENTION)))
+def test_scaled_dot_product_attention(fn, makers, pattern, dim):
+    check(fn, makers, pattern, dim)
+
+
+ATTENTION_GRADS = [
+    ("sdpa_grad", grad_of(sdpa, 0, 1, 2), (randn(2, 3, 4, 8), randn(2, 3, 6, 8), randn(2, 3, 6, 8))),
+    ("sdpa_mask_grad", grad_of(sdpa, 0, 1, 2), (randn(2, 2, 4, 8), randn(2, 2, 4, 8), randn(2, 2, 4, 8), randn(2, 1, 4, 4))),
+    ("sdpa_causal_grad", grad_of(partial(sdpa, is_causal=True), 0, 2), (randn(1, 2, 5, 4), randn(1, 2, 5, 4), randn(1, 2, 5, 4))),
+]
+
+
+@pytest.mark.parametrize("fn, makers, pattern, dim", list(with_patterns(ATTENTION_GRADS, dims=(0,))))
+def test_scaled_dot_product_attention_backward(fn, makers, pattern, dim):
+    check(fn, makers, pattern, dim)
+
+
+def test_nested_scaled_dot_product_attention():
+    q = torch.randn(2, B, 1, 2, 4, 8, dtype=f64)
+    k = torch.randn(B, 1, 2, 4, 8, dtype=f64)
+    mask = torch.randn(2, 4, 4, dtype=f64)
+    with functx.vmap_fallback("error"):
+        out = vmap(vmap(sdpa, in_dims=(0, 0, 0, None)), in_dims=(0, None, None, 0))(q, k, k, mask)
+    expected = torch.stack([torch.stack([sdpa(q[i, j], k[j], k[j], mask[i]) for j in range(B)]) for i in range(2)])
+    torch.testing.assert_close(out, expected)
+
+
+def test_sdpa_dropout_follows_randomness():
+    """Dropout takes the composite math path, whose random op follows vmap's policy."""
+    q = torch.randn(B, 1, 2, 4, 8, dtype=f64)
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap(partial(sdpa, dropout_p=0.5))(q, q, q)
+    out = vmap(partial(sdpa, dropout_p=0.5), randomness="different")(q, q, q)
+    assert out.shape == q.shape
+    repeated = q[:1].expand(B, *q.shape[1:])
+    same = vmap(partial(sdpa, dropout_p=0.5), randomness="same")(repeated, repeated, repeated)
+    torch.testing.assert_close(same, same[:1].expand_as(same))
+    different = vmap(partial(sdpa, dropout_p=0.5), randomness="different")(repeated, repeated, repeated)
+    assert not torch.equal(different[0], different[1])
+
+
+def test_per_sample_gradients_with_functx_grad():
+    """Per-sample gradients through attention (flash kernel and its backward) and prelu."""
+    wq, a = torch.randn(8, 8, dtype=f64), torch.rand(2, dtype=f64)
+    xs = torch.randn(B, 1, 2, 4, 8, dtype=f64)
+
+    def loss(params, x):
+        w, slope = params
+        q = F.linear(x, w)
+        h = F.scaled_dot_product_attention(q, x, x, is_causal=True)
+        return F.prelu(h, slope).pow(2).sum()
+
+    with functx.vmap_fallback("error"):
+        grads = vmap(functx.grad(loss), in_dims=(None, 0))((wq, a), xs)
+    expected = []
+    for x in xs:
+        p = [q.detach().requires_grad_() for q in (wq, a)]
+        expected.append(torch.autograd.grad(loss(p, x), p))
+    torch.testing.assert_close(list(grads), [torch.stack(g) for g in zip(*expected)])
