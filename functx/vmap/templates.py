@@ -198,6 +198,8 @@ def pointwise_rule(op):
     rank (batch dim stays in front, unbatched tensors broadcast from the right), run once."""
     schema = op._schema
     inplace = bool(schema.arguments) and _is_write(schema.arguments[0]) and not schema.arguments[0].kwarg_only
+    if _is_unary(schema):
+        return _unary_pointwise_rule(op, inplace)
 
     def rule(interp, *args, **kwargs):
         rank = 0
@@ -232,6 +234,36 @@ def pointwise_rule(op):
         if inplace:
             return args[0]
         return interp.wrap_all(out)
+
+    return rule
+
+
+_TENSOR_TYPE = torch._C.TensorType.get()
+
+
+def _is_unary(schema) -> bool:
+    """One Tensor argument (the first) and one Tensor result: nothing to broadcast."""
+    tensors = [a for a in schema.arguments if a.type.isSubtypeOf(_TENSOR_TYPE) or "Tensor" in str(a.type)]
+    return (
+        len(tensors) == 1
+        and schema.arguments[0] is tensors[0]
+        and len(schema.returns) == 1
+        and schema.returns[0].type.isSubtypeOf(_TENSOR_TYPE)
+    )
+
+
+def _unary_pointwise_rule(op, inplace):
+    """The hot path: a unary elementwise op runs on the batched value as it is."""
+    if inplace:
+
+        def inplace_rule(interp, x, *args, **kwargs):
+            op(x._value, *args, **kwargs)
+            return x
+
+        return inplace_rule
+
+    def rule(interp, x, *args, **kwargs):
+        return BatchedTensor(op(x._value, *args, **kwargs), interp)
 
     return rule
 
