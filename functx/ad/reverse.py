@@ -169,7 +169,12 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
     flat_in, in_spec = None, None
     for start in range(0, total, step):
         stop = min(start + step, total)
-        rows, spec = optree.tree_flatten(vmap(one_vjp)(*identity_rows(flat_out, start, stop)))
+        basis = identity_rows(flat_out, start, stop)
+        if stop - start == 1:  # one row (a scalar output): no need to vectorize
+            rows, spec = optree.tree_flatten(one_vjp(*(b[0] for b in basis)))
+            rows = [r.unsqueeze(0) for r in rows]
+        else:
+            rows, spec = optree.tree_flatten(vmap(one_vjp)(*basis))
         if flat_in is None:
             if stop == total:
                 flat_in, in_spec = rows, spec
