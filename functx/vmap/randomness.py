@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..core.level_tensor import LevelTensor
+
 RANDOMNESS_MODES = ("error", "different", "same")
 
 
@@ -80,6 +82,8 @@ class RandomnessMode(TorchFunctionMode):
         kind = _RANDOM_FUNCS.get(func)
         if kind is None:
             return func(*args, **kwargs)
+        if kind == "index":
+            return _index_with_tensor_scalars(func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
 
 
@@ -119,7 +123,32 @@ def _handle_random(interp, func, kind, args, kwargs):
     return interp.wrap(func(*expanded, **expanded_kw))
 
 
-_RANDOM_FUNCS = {}
+def _is_batched_integer_scalar(index) -> bool:
+    return (
+        isinstance(index, LevelTensor)
+        and index.dim() == 0
+        and not index.is_floating_point()
+        and not index.is_complex()
+        and index.dtype is not torch.bool
+    )
+
+
+def _index_with_tensor_scalars(func, args, kwargs):
+    """`x[i]` / `x[i, j] = v` with 0-dim integer tensors that are batched: Python indexing
+    would turn them into ints with `.item()`, which vmap cannot do; as advanced indices
+    they select the same elements (one per batch element)."""
+    index = args[1]
+    parts = index if type(index) is tuple else (index,)
+    if not parts or not all(_is_batched_integer_scalar(p) for p in parts):
+        return func(*args, **kwargs)
+    if func is torch.Tensor.__getitem__:
+        return torch.ops.aten.index.Tensor(args[0], list(parts))
+    torch.ops.aten.index_put_.default(args[0], list(parts), torch.as_tensor(args[2], dtype=args[0].dtype))
+    return None
+
+
+# Not random, but also seen here: indexing by batched 0-dim integer tensors (above).
+_RANDOM_FUNCS = {torch.Tensor.__getitem__: "index", torch.Tensor.__setitem__: "index"}
 for _f in (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal):
     _RANDOM_FUNCS[_f] = "factory"
 for _f in (

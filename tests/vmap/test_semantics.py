@@ -184,3 +184,27 @@ def test_fallback_warns_once_and_can_be_made_an_error():
             VMAP_RULES._handlers.pop(op, None)
         else:
             VMAP_RULES.set(op, saved)
+
+
+# -- indexing by batched 0-dim integer tensors (Python would call .item() on them) --------
+def test_getitem_with_batched_scalar_index():
+    x, i = torch.randn(4, 5), torch.tensor([0, 3, 2, 1])
+    torch.testing.assert_close(vmap(lambda a, t: a[t])(x, i), x[torch.arange(4), i])
+    table = torch.randn(5, 3)
+    torch.testing.assert_close(vmap(lambda t: table[t])(i), table[i])
+    m = torch.randn(4, 5, 6)
+    j = torch.tensor([5, 0, 1, 2])
+    torch.testing.assert_close(vmap(lambda a, t, u: a[t, u])(m, i, j), m[torch.arange(4), i, j])
+
+
+def test_setitem_with_batched_scalar_index():
+    x, i = torch.randn(4, 5), torch.tensor([0, 3, 2, 1])
+
+    def f(a, t):
+        a = a.clone()
+        a[t] = a.sum()
+        return a
+
+    expected = x.clone()
+    expected[torch.arange(4), i] = x.sum(1)
+    torch.testing.assert_close(vmap(f)(x, i), expected)
