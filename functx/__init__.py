@@ -6,10 +6,17 @@ keeps it working.
 
 from .core import PerformanceWarning, set_vmap_fallback, vmap_fallback
 from . import nn
-from .nn import replace_all_batch_norm_modules_
+from .nn import (
+    combine_state_for_ensemble,
+    functional_call,
+    make_functional,
+    make_functional_with_buffers,
+    replace_all_batch_norm_modules_,
+    stack_module_state,
+)
 from .vmap import vmap
 from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "replace_all_batch_norm_modules_", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]
+__all__ = ["nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]

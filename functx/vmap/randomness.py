@@ -65,9 +65,13 @@ def _is_factory_call(func, args, kwargs):
 
 
 def _dropout_is_active(func, args, kwargs):
+    """Dropout draws random numbers only in training mode and with p > 0."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
     if func is torch.dropout or func is torch.dropout_ or func is torch.feature_dropout or func is torch.alpha_dropout:
-        return bool(args[2] if len(args) > 2 else kwargs.get("train", True))
-    return bool(args[2] if len(args) > 2 else kwargs.get("training", True))
+        training = args[2] if len(args) > 2 else kwargs.get("train", True)
+    else:
+        training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    return bool(training) and p != 0
 
 
 class RandomnessMode(TorchFunctionMode):
@@ -88,9 +92,14 @@ class RandomnessMode(TorchFunctionMode):
 
 
 def _batched_here(interp, args, kwargs):
+    """Does a tensor argument hold a value batched at this level, possibly under the
+    wrappers of higher levels (a grad level inside this vmap)? Then the op reaches this
+    level's batching rules through the dispatcher and needs nothing here."""
     for a in (*args, *kwargs.values()):
-        if interp.is_batched(a):
-            return True
+        while isinstance(a, LevelTensor):
+            if a._interp is interp:
+                return True
+            a = a._value
     return False
 
 

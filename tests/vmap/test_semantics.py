@@ -208,3 +208,14 @@ def test_setitem_with_batched_scalar_index():
     expected = x.clone()
     expected[torch.arange(4), i] = x.sum(1)
     torch.testing.assert_close(vmap(f)(x, i), expected)
+
+
+def test_dropout_inside_grad_inside_vmap_uses_the_batching_rules():
+    """F.dropout's input is a grad wrapper around a BatchedTensor: a batched random op."""
+    x = torch.ones(4, 50)
+    f = lambda a: (F.dropout(a, 0.5) * a).sum()  # noqa: E731
+    g = vmap(functx.grad(f), randomness="different")(x)
+    assert any(not torch.equal(g[0], g[i]) for i in range(1, 4))
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap(functx.grad(f))(x)
+    torch.testing.assert_close(vmap(functx.grad(lambda a: (F.dropout(a, 0.0) * a).sum()))(x), 2 * x)

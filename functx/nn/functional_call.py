@@ -1,0 +1,247 @@
+"""`functional_call`: call a module with parameters and buffers given as data.
+
+The module's own tensors are swapped out for the given ones for the duration of one
+call and swapped back afterwards (also when the call raises). The given values may be
+level tensors of any functx transform (BatchedTensors, grad/jvp wrappers): the module's
+forward then runs on them like on any other tensor, which is what makes
+`vmap(grad(loss))` over `functional_call` give per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+__all__ = ["functional_call"]
+
+
+def functional_call(
+    module: nn.Module,
+    parameter_and_buffer_dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]],
+    args: Any = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+    return_state: bool = False,
+) -> Any:
+    """Call `module` with its parameters and buffers replaced by the given tensors.
+
+    Same arguments and semantics as `torch.func.functional_call`:
+
+    - `parameter_and_buffer_dicts`: a dict `{name: tensor}` (names as in
+      `module.named_parameters()` / `named_buffers()`), or a tuple/list of such dicts
+      with distinct keys (a key in two dicts is a `ValueError`). Names not given keep
+      the module's own tensor.
+    - `args`: one argument, or a tuple of positional arguments; `kwargs`: a dict.
+    - `tie_weights=True`: names that share one tensor in `module` (tied weights) keep
+      sharing: a value given for one of them is used for all. Different values for
+      names of one tied group raise `ValueError` ("... which are tied. Consider using
+      tie_weights=False"). With `tie_weights=False` each name takes only its own value.
+    - `strict=True`: the given names must be exactly the module's parameters and
+      buffers; missing and unexpected keys raise a `RuntimeError` listing them.
+
+    The module is left as it was: the same parameter and buffer objects, also when
+    its forward raises. As in torch.func, a forward that updates a buffer in place
+    (batch-norm running stats in training mode) updates the tensor that was passed,
+    and a forward that re-assigns an attribute (`self.count = self.count + 1`) writes
+    the new value into the passed dict under that key.
+
+    `return_state=True` (functx only) makes the call pure instead: returns
+    `(output, new_buffers)`, where `new_buffers` is `{name: tensor}` for every buffer
+    of the module (`module.named_buffers()` names; given or not) holding its value
+    after the forward — e.g. updated batch-norm running stats. The forward runs on
+    clones of the buffers (of the given ones, and of the module's own for names not
+    given), so neither the passed tensors, the passed dicts nor the module's buffers
+    are mutated; clones are differentiable, so `new_buffers` carries gradients and
+    batch dims like any other output. Parameters are not cloned: a forward that writes
+    into a parameter in place is not made pure.
+
+    Example:
+        >>> import torch, functx
+        >>> model = torch.nn.Linear(3, 2)
+        >>> params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+        >>> functx.functional_call(model, params, torch.ones(1, 3))
+        tensor([[0., 0.]])
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> state = {k: v.clone() for k, v in bn.named_buffers()}
+        >>> out, new_state = functx.functional_call(
+        ...     bn, state, torch.tensor([[0., 2.], [2., 4.]]), return_state=True)
+        >>> new_state["running_mean"], state["running_mean"]
+        (tensor([0.1000, 0.3000]), tensor([0., 0.]))
+    """
+    given = _merge_dicts(parameter_and_buffer_dicts)
+    _check_module(module)
+    if kwargs is None:
+        kwargs = {}
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        args = (args,)
+
+    values = _untie(module, given) if tie_weights else dict(given)
+    if strict:
+        _check_strict(module, values)
+    if return_state:
+        return _call_pure(module, values, args, kwargs)
+
+    with _swapped(module, values) as after:
+        output = module(*args, **kwargs)
+    _write_back(parameter_and_buffer_dicts, after)
+    return output
+
+
+def _merge_dicts(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    if isinstance(dicts, dict):
+        return dicts
+    if not isinstance(dicts, Sequence) or isinstance(dicts, (str, bytes)):
+        raise ValueError(
+            "Expected parameter_and_buffer_dicts to be a dict, or a list/tuple of dicts, "
+            f"but got {type(dicts)}"
+        )
+    if not all(isinstance(d, dict) for d in dicts):
+        raise ValueError("Expected all elements of parameter_and_buffer_dicts to be dictionaries")
+    merged: dict[str, Tensor] = {}
+    repeated: list[str] = []
+    for d in dicts:
+        for key, value in d.items():
+            if key in merged and key not in repeated:
+                repeated.append(key)
+            merged[key] = value
+    if repeated:
+        raise ValueError(
+            f"{repeated} appeared in multiple dictionaries; behavior of functional call is ambiguous"
+        )
+    return merged
+
+
+def _check_module(module: nn.Module) -> None:
+    if isinstance(module, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        raise RuntimeError("functional_call can't be used with jitted modules")
+    if isinstance(module, nn.DataParallel):
+        raise RuntimeError("functional_call can't be used with nn.DataParallel modules")
+
+
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """Names of parameters and buffers that share one tensor in `module`, one list per
+    tensor (in `named_parameters`/`named_buffers` order; untied tensors give lists of one)."""
+    by_tensor: dict[int, list[str]] = {}
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, tensor in named:
+            by_tensor.setdefault(id(tensor), []).append(name)
+    return list(by_tensor.values())
+
+
+def _untie(module: nn.Module, given: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A new dict where a value given for one name of a tied group is set for all names
+    of the group. Tensors are compared by identity: passing the same tensor for two tied
+    names is fine, two different tensors are an error (as in torch.func)."""
+    values = dict(given)
+    for group in tied_groups(module):
+        if len(group) < 2:
+            continue
+        named = [name for name in group if name in given]
+        if not named:
+            continue
+        if len({id(given[name]) for name in named}) > 1:
+            raise ValueError(
+                f"functional_call got multiple values for keys {sorted(group)}, "
+                f"which are tied. Consider using tie_weights=False"
+            )
+        for name in group:
+            values[name] = given[named[0]]
+    return values
+
+
+def _check_strict(module: nn.Module, values: dict[str, Tensor]) -> None:
+    missing, unexpected = NamedMemberAccessor(module).check_keys(values)
+    errors = []
+    if unexpected:
+        errors.append(f"Unexpected key(s): {', '.join(map(repr, unexpected))}.")
+    if missing:
+        errors.append(f"Missing key(s): {', '.join(map(repr, missing))}.")
+    if errors:
+        raise RuntimeError(
+            "Error(s) in reparametrizing for {}:\n\t{}".format(module._get_name(), "\n\t".join(errors))
+        )
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
+    """Put `values` into `module` for the body; put the originals back afterwards, also
+    on error. Yields a dict that, after the body, holds the values the module had at the
+    given names just before they were swapped back (so re-assignments are visible)."""
+    accessor = NamedMemberAccessor(module)
+    rnn_caches = _save_rnn_caches(module)
+    after: dict[str, Tensor] = {}
+    originals, _ = accessor.swap_tensors_dict(values, allow_missing=True)
+    try:
+        yield after
+    finally:
+        # Restore in reverse order so that a name given twice (tied names) ends as it was.
+        restored, _ = accessor.swap_tensors_dict(dict(reversed(originals.items())), allow_missing=True)
+        after.update(restored)
+        _restore_rnn_caches(rnn_caches)
+
+
+def _save_rnn_caches(module: nn.Module) -> list[tuple[nn.Module, list, list]]:
+    """RNN modules cache their weights in `_flat_weights`; the swap bypasses the module's
+    `__setattr__`, so the forward refreshes that cache with the swapped-in values. Keep
+    the cache as it was, so that the module does not hold on to transform tensors."""
+    return [
+        (m, list(m._flat_weights), list(m._flat_weight_refs))
+        for m in module.modules()
+        if isinstance(m, nn.RNNBase) and hasattr(m, "_flat_weights")
+    ]
+
+
+def _restore_rnn_caches(caches: list[tuple[nn.Module, list, list]]) -> None:
+    for m, weights, refs in caches:
+        m._flat_weights = weights
+        m._flat_weight_refs = refs
+
+
+def _write_back(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]], after: dict[str, Tensor]) -> None:
+    """torch.func semantics: a value the forward re-assigned replaces the given one."""
+    for d in [dicts] if isinstance(dicts, dict) else dicts:
+        for key in d:
+            if key in after and after[key] is not d[key]:
+                d[key] = after[key]
+
+
+def _call_pure(module: nn.Module, values: dict[str, Tensor], args: tuple, kwargs: dict) -> tuple[Any, dict[str, Tensor]]:
+    """The `return_state=True` call: the forward runs on clones of all buffers, and the
+    buffers as they are after the forward are returned."""
+    values = dict(values)
+    clones: dict[int, Tensor] = {}  # one clone per tensor keeps tied buffers tied
+    for group in tied_groups(module):
+        for name in group:
+            if not _is_buffer(module, name):
+                continue
+            source = values[name] if name in values else module.get_buffer(name)
+            if source is None:
+                continue
+            if id(source) not in clones:
+                clones[id(source)] = source.clone()
+            values[name] = clones[id(source)]
+    buffer_names = [name for name, _ in module.named_buffers()]
+    accessor = NamedMemberAccessor(module)
+    with _swapped(module, values):
+        output = module(*args, **kwargs)
+        new_buffers = {name: accessor.get_tensor(name) for name in buffer_names}
+    return output, new_buffers
+
+
+def _is_buffer(module: nn.Module, name: str) -> bool:
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    return attr in owner._buffers

@@ -1,0 +1,423 @@
+"""functional_call: torch.func semantics (module untouched, tied weights, strict, several
+dicts, kwargs), functx's return_state mode, and use under nested transforms."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+
+import functx
+
+
+def module_snapshot(module):
+    """Everything functional_call could disturb: which tensor objects sit at which names
+    (in each submodule's _parameters/_buffers and plain attributes) and their values."""
+    tensors = {}
+    for mod_name, mod in module.named_modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, slot).items():
+                tensors[(mod_name, slot, name)] = (t, None if t is None else t.detach().clone())
+        for name, value in vars(mod).items():
+            if isinstance(value, torch.Tensor):
+                tensors[(mod_name, "attr", name)] = (value, value.detach().clone())
+    return tensors
+
+
+def assert_unchanged(module, snapshot):
+    now = module_snapshot(module)
+    assert now.keys() == snapshot.keys()
+    for key, (t, value) in snapshot.items():
+        assert now[key][0] is t, f"{key} is a different object"
+        if value is not None:
+            assert torch.equal(t.detach(), value), f"{key} changed value"
+
+
+class Tied(nn.Module):
+    """y = x @ (w + w_tied) + b; w_tied is the same Parameter as w."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+        self.w_tied = self.w
+        self.b = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x @ (self.w + self.w_tied) + self.b
+
+
+class Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.lin(x)
+        raise ValueError("boom")
+
+
+class Counter(nn.Module):
+    """Re-assigns a buffer in forward (not in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return x * self.count
+
+
+class WithKwargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x, *, scale=1.0, shift=None):
+        out = self.lin(x) * scale
+        return out if shift is None else out + shift
+
+
+def zeros_like_params(module):
+    return {k: torch.zeros_like(v) for k, v in module.named_parameters()}
+
+
+def test_matches_module_with_swapped_values_and_leaves_module_unchanged():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    other = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    other[1].running_mean.uniform_()
+    snap = module_snapshot(model)
+    x = torch.randn(5, 3)
+    state = {**dict(other.named_parameters()), **dict(other.named_buffers())}
+    assert_close(functx.functional_call(model, state, x), other(x))
+    assert_close(functx.functional_call(model, state, (x,)), other(x))
+    assert_unchanged(model, snap)
+
+
+def test_module_unchanged_after_exception_in_forward():
+    model = Raises()
+    snap = module_snapshot(model)
+    state = {"lin.weight": torch.zeros(3, 3), "count": torch.ones(())}
+    with pytest.raises(ValueError, match="boom"):
+        functx.functional_call(model, state, torch.randn(2, 3))
+    assert_unchanged(model, snap)
+
+
+def test_module_unchanged_after_exception_under_transforms():
+    model = Raises()
+    snap = module_snapshot(model)
+
+    def f(w, x):
+        return functx.functional_call(model, {"lin.weight": w}, x).sum()
+
+    with pytest.raises(ValueError, match="boom"):
+        functx.vmap(functx.grad(f), in_dims=(None, 0))(torch.randn(3, 3), torch.randn(4, 2, 3))
+    assert_unchanged(model, snap)
+
+
+def test_missing_names_keep_module_tensors():
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    out = functx.functional_call(model, {"bias": torch.zeros(2)}, x)
+    assert_close(out, x @ model.weight.T)
+
+
+def test_tie_weights_true_uses_value_for_all_tied_names():
+    model = Tied()
+    snap = module_snapshot(model)
+    x = torch.randn(2, 3)
+    w = torch.randn(3, 3)
+    out = functx.functional_call(model, {"w": w}, x)
+    assert_close(out, x @ (w + w) + model.b)
+    # the same tensor under both tied names is fine
+    assert_close(functx.functional_call(model, {"w": w, "w_tied": w}, x), out)
+    assert_unchanged(model, snap)
+
+
+def test_tie_weights_false_leaves_other_name_alone():
+    model = Tied()
+    x = torch.randn(2, 3)
+    w = torch.randn(3, 3)
+    out = functx.functional_call(model, {"w": w}, x, tie_weights=False)
+    assert_close(out, x @ (w + model.w) + model.b)
+    w2 = torch.randn(3, 3)
+    out = functx.functional_call(model, {"w": w, "w_tied": w2}, x, tie_weights=False)
+    assert_close(out, x @ (w + w2) + model.b)
+
+
+def test_tied_names_with_different_values_raise_like_torch():
+    model = Tied()
+    snap = module_snapshot(model)
+    values = {"w": torch.randn(3, 3), "w_tied": torch.randn(3, 3)}
+    with pytest.raises(ValueError) as ours:
+        functx.functional_call(model, values, torch.randn(2, 3))
+    with pytest.raises(ValueError) as theirs:
+        torch.func.functional_call(model, values, torch.randn(2, 3))
+    assert str(ours.value) == str(theirs.value)
+    assert "Consider using tie_weights=False" in str(ours.value)
+    assert_unchanged(model, snap)
+
+
+def test_tie_weights_under_grad_gives_summed_gradient():
+    model = Tied()
+    x = torch.randn(2, 3)
+    w = torch.randn(3, 3)
+    g = functx.grad(lambda w: functx.functional_call(model, {"w": w}, x).sum())(w)
+    g_ref = torch.func.grad(lambda w: torch.func.functional_call(model, {"w": w}, x).sum())(w)
+    assert_close(g, g_ref)
+
+
+def test_strict_reports_missing_and_unexpected_keys():
+    model = nn.Linear(3, 2)
+    x = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\): 'bias'"):
+        functx.functional_call(model, {"weight": torch.zeros(2, 3)}, x, strict=True)
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\): 'extra'"):
+        functx.functional_call(model, {**zeros_like_params(model), "extra": torch.zeros(1)}, x, strict=True)
+    with pytest.raises(RuntimeError, match=r"(?s)Unexpected key\(s\): 'extra'.*Missing key\(s\): 'bias'"):
+        functx.functional_call(model, {"weight": torch.zeros(2, 3), "extra": torch.zeros(1)}, x, strict=True)
+    assert_close(functx.functional_call(model, zeros_like_params(model), x, strict=True), torch.zeros(2, 2))
+
+
+def test_strict_counts_tied_names_as_given():
+    model = Tied()
+    out = functx.functional_call(model, {"w": torch.zeros(3, 3), "b": torch.zeros(3)}, torch.randn(2, 3), strict=True)
+    assert_close(out, torch.zeros(2, 3))
+
+
+def test_multiple_dicts_and_duplicate_keys():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+    params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    buffers = {k: v.clone() + 1 for k, v in model.named_buffers()}
+    x = torch.randn(4, 3)
+    expected = torch.func.functional_call(model, {**params, **buffers}, x)
+    assert_close(functx.functional_call(model, (params, buffers), x), expected)
+    assert_close(functx.functional_call(model, [params, buffers], x), expected)
+    with pytest.raises(ValueError, match="appeared in multiple dictionaries"):
+        functx.functional_call(model, (params, {"0.weight": params["0.weight"]}), x)
+    with pytest.raises(ValueError, match="dict"):
+        functx.functional_call(model, (params, 3), x)
+    with pytest.raises(ValueError, match="dict"):
+        functx.functional_call(model, 3, x)
+
+
+def test_kwargs_and_multiple_args():
+    model = WithKwargs()
+    params = {k: torch.randn_like(v) for k, v in model.named_parameters()}
+    x = torch.randn(4, 3)
+    shift = torch.randn(2)
+    expected = torch.func.functional_call(model, params, (x,), {"scale": 2.0, "shift": shift})
+    assert_close(functx.functional_call(model, params, (x,), {"scale": 2.0, "shift": shift}), expected)
+    assert_close(functx.functional_call(model, params, x, {"scale": 2.0, "shift": shift}), expected)
+    bilinear = nn.Bilinear(3, 2, 4)
+    a, b = torch.randn(5, 3), torch.randn(5, 2)
+    assert_close(functx.functional_call(bilinear, dict(bilinear.named_parameters()), (a, b)), bilinear(a, b))
+
+
+def test_in_place_buffer_update_reaches_passed_tensor_like_torch():
+    bn = nn.BatchNorm1d(3)
+    snap = module_snapshot(bn)
+    x = torch.randn(8, 3)
+    ours = {k: v.clone() for k, v in bn.named_buffers()}
+    theirs = {k: v.clone() for k, v in bn.named_buffers()}
+    functx.functional_call(bn, ours, x)
+    torch.func.functional_call(bn, theirs, x)
+    for k in theirs:
+        assert_close(ours[k], theirs[k])
+    assert not torch.equal(ours["running_mean"], bn.running_mean)
+    assert_unchanged(bn, snap)
+
+
+def test_reassigned_buffer_is_written_back_to_the_dict_like_torch():
+    model = Counter()
+    state = {"count": torch.tensor(3.0)}
+    out = functx.functional_call(model, state, torch.ones(2))
+    assert_close(out, torch.full((2,), 4.0))
+    assert_close(state["count"], torch.tensor(4.0))
+    assert_close(model.count, torch.tensor(0.0))
+
+
+def test_rnn_weight_cache_is_restored():
+    lstm = nn.LSTM(3, 4)
+    cache = list(lstm._flat_weights)
+    params = {k: torch.randn_like(v) for k, v in lstm.named_parameters()}
+    x = torch.randn(5, 2, 3)
+    ours = functx.functional_call(lstm, params, x)[0]
+    assert all(a is b for a, b in zip(lstm._flat_weights, cache))
+    assert_close(ours, torch.func.functional_call(lstm, params, x)[0])
+    out_after = lstm(x)[0]  # the module still computes with its own weights
+    assert_close(out_after, torch.func.functional_call(lstm, dict(lstm.named_parameters()), x)[0])
+
+
+# --- return_state=True ----------------------------------------------------------------
+
+
+def bn_net(cumulative_average=True):
+    """Two training-mode batch norms; the second (momentum=None) keeps a cumulative
+    average, which reads num_batches_tracked as a Python float."""
+    momentum = None if cumulative_average else 0.2
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3, momentum=momentum))
+
+
+def test_return_state_matches_torch_training_step_and_mutates_nothing():
+    model = bn_net()
+    reference = bn_net()
+    reference.load_state_dict(model.state_dict())
+    snap = module_snapshot(model)
+    params = dict(model.named_parameters())
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    passed = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(6, 2, 5, 5)
+
+    out, new_buffers = functx.functional_call(model, (params, buffers), x, return_state=True)
+
+    assert_close(out, reference(x))
+    assert new_buffers.keys() == dict(reference.named_buffers()).keys()
+    for name, value in reference.named_buffers():
+        assert_close(new_buffers[name], value)
+    for name in buffers:  # neither the passed tensors nor the module changed
+        assert torch.equal(buffers[name], passed[name])
+    assert_unchanged(model, snap)
+
+
+def test_return_state_without_buffers_given_uses_copies_of_the_module_buffers():
+    model = bn_net()
+    reference = bn_net()
+    reference.load_state_dict(model.state_dict())
+    snap = module_snapshot(model)
+    x = torch.randn(6, 2, 5, 5)
+    out, new_buffers = functx.functional_call(model, {}, x, return_state=True)
+    assert_close(out, reference(x))
+    for name, value in reference.named_buffers():
+        assert_close(new_buffers[name], value)
+    assert_unchanged(model, snap)
+
+
+def test_return_state_does_not_write_back_reassigned_buffers():
+    model = Counter()
+    state = {"count": torch.tensor(3.0)}
+    passed = state["count"]
+    out, new_buffers = functx.functional_call(model, state, torch.ones(2), return_state=True)
+    assert_close(out, torch.full((2,), 4.0))
+    assert_close(new_buffers["count"], torch.tensor(4.0))
+    assert state["count"] is passed and passed.item() == 3.0
+
+
+def test_return_state_twice_chains_like_two_torch_steps():
+    model = bn_net()
+    reference = bn_net()
+    reference.load_state_dict(model.state_dict())
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    x1, x2 = torch.randn(4, 2, 5, 5), torch.randn(4, 2, 5, 5)
+    _, buffers = functx.functional_call(model, (params, buffers), x1, return_state=True)
+    _, buffers = functx.functional_call(model, (params, buffers), x2, return_state=True)
+    reference(x1)
+    reference(x2)
+    for name, value in reference.named_buffers():
+        assert_close(buffers[name], value)
+
+
+def test_return_state_under_vmap_over_stacked_buffers():
+    """Ensembling training-mode batch norm: each model updates its own running stats.
+    (A cumulative average would need float(num_batches_tracked) of a batched tensor.)"""
+    models = [bn_net(cumulative_average=False) for _ in range(3)]
+    params, buffers = functx.stack_module_state(models)
+    passed = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(3, 4, 2, 5, 5)
+
+    def step(params, buffers, x):
+        return functx.functional_call(models[0], (params, buffers), x, return_state=True)
+
+    with functx.vmap_fallback("error"):
+        out, new_buffers = functx.vmap(step)(params, buffers, x)
+    for i, model in enumerate(models):
+        assert_close(out[i], model(x[i]), atol=1e-5, rtol=1e-5)
+        for name, value in model.named_buffers():
+            assert_close(new_buffers[name][i], value, atol=1e-5, rtol=1e-5)
+    for name in buffers:
+        assert torch.equal(buffers[name], passed[name])
+
+
+def test_return_state_gradient_flows_through_output():
+    model = bn_net()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(4, 2, 5, 5)
+
+    def loss(params):
+        out, _ = functx.functional_call(model, params, x, return_state=True)
+        return out.square().mean()
+
+    g = functx.grad(loss)(params)
+    g_ref = torch.func.grad(lambda p: torch.func.functional_call(copy.deepcopy(model), p, x).square().mean())(params)
+    for k in g_ref:
+        assert_close(g[k], g_ref[k], atol=1e-5, rtol=1e-5)
+
+
+# --- under transforms -----------------------------------------------------------------
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def test_grad_of_grad_hessian_vector_product_matches_torch_func():
+    model = mlp()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 3)
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+
+    def hvp(call, grad, vjp_params):
+        def loss(p):
+            return call(model, p, x).square().sum()
+
+        def dot_grad(p):
+            g = grad(loss)(p)
+            return sum((g[k] * v[k]).sum() for k in g)
+
+        return grad(dot_grad)(vjp_params)
+
+    ours = hvp(functx.functional_call, functx.grad, params)
+    theirs = hvp(torch.func.functional_call, torch.func.grad, params)
+    for k in theirs:
+        assert_close(ours[k], theirs[k], atol=1e-5, rtol=1e-5)
+
+
+def test_jvp_and_jacrev_over_functional_call():
+    model = mlp()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    tangents = {k: torch.randn_like(p) for k, p in params.items()}
+    x = torch.randn(5, 3)
+
+    def f_ours(p):
+        return functx.functional_call(model, p, x)
+
+    def f_theirs(p):
+        return torch.func.functional_call(model, p, x)
+
+    out, jvp_out = functx.jvp(f_ours, (params,), (tangents,))
+    out_ref, jvp_ref = torch.func.jvp(f_theirs, (params,), (tangents,))
+    assert_close(out, out_ref)
+    assert_close(jvp_out, jvp_ref, atol=1e-5, rtol=1e-5)
+    jac = functx.jacrev(f_ours)(params)
+    jac_ref = torch.func.jacrev(f_theirs)(params)
+    for k in jac_ref:
+        assert_close(jac[k], jac_ref[k], atol=1e-5, rtol=1e-5)
+
+
+def test_nested_vmap_over_stacked_params_and_batched_input():
+    model = mlp()
+    params = {k: torch.randn(2, *v.shape) for k, v in model.named_parameters()}
+    x = torch.randn(3, 5, 3)
+
+    def f(p, x):
+        return functx.functional_call(model, p, x)
+
+    with functx.vmap_fallback("error"):
+        out = functx.vmap(functx.vmap(f, in_dims=(None, 0)), in_dims=(0, None))(params, x)
+    expected = torch.stack(
+        [torch.stack([torch.func.functional_call(model, {k: v[i] for k, v in params.items()}, x[j]) for j in range(3)]) for i in range(2)]
+    )
+    assert_close(out, expected)

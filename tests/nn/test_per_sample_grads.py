@@ -1,0 +1,199 @@
+"""Per-sample gradients: `vmap(grad(loss), in_dims=(None, 0, 0))` over functional_call
+equals a loop of torch.autograd.grad, one sample at a time, for common layers."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import functx
+
+BATCH = 3
+
+
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+class RNNOutput(nn.Module):
+    """The output sequence of an RNN (drops the final hidden state); `h0` optional."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x, h0=None):
+        if h0 is not None and isinstance(self.rnn, nn.LSTM):
+            h0 = (h0, h0)
+        return self.rnn(x, h0)[0]
+
+
+def batch_norm_replaced():
+    return functx.replace_all_batch_norm_modules_(nn.BatchNorm2d(3))
+
+
+def batch_norm_eval():
+    bn = nn.BatchNorm2d(3)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 1.5)
+    return bn.eval()
+
+
+# name -> (module factory, per-sample input shape or a sampler)
+LAYERS = {
+    "linear": (lambda: nn.Linear(4, 3), (4,)),
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3), (4, 7, 7)),
+    "conv2d_groups_stride_padding_dilation": (
+        lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2),
+        (4, 9, 9),
+    ),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (4, 5, 5)),
+    "layer_norm": (lambda: nn.LayerNorm([5]), (3, 5)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), (4, 5)),
+    "embedding": (lambda: nn.Embedding(10, 3), lambda: torch.randint(0, 10, (BATCH, 5))),
+    "batch_norm2d_replaced": (batch_norm_replaced, (3, 4, 4)),
+    "batch_norm2d_eval": (batch_norm_eval, (3, 4, 4)),
+    "multihead_attention": (SelfAttention, (3, 8)),
+    "transformer_encoder_layer_eval": (
+        lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval(),
+        (3, 8),
+    ),
+    "transformer_encoder_layer_train": (
+        lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+        (3, 8),
+    ),
+    "gru_with_batched_h0": (lambda: RNNOutput(nn.GRU(4, 5, batch_first=True)), (3, 4)),
+    "lstm_with_batched_h0_no_mkldnn": (lambda: RNNOutput(nn.LSTM(4, 5, batch_first=True)), (3, 4)),
+}
+
+XFAIL: dict = {}  # layer name -> reason (none known)
+
+# Layers whose forward takes a per-sample initial hidden state as a second input.
+WITH_H0 = {"gru_with_batched_h0", "lstm_with_batched_h0_no_mkldnn"}
+
+
+def sample_inputs(spec):
+    return spec() if callable(spec) else torch.randn(BATCH, *spec)
+
+
+def mse(module, state, x, target, extra):
+    """The loss of one sample: the module sees a batch of one."""
+    args = (x.unsqueeze(0),) + tuple(e.unsqueeze(1) for e in extra)
+    return F.mse_loss(functx.functional_call(module, state, args), target.unsqueeze(0))
+
+
+def functx_per_sample_grads(module, x, targets, extra=()):
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    buffers = dict(module.named_buffers())
+
+    def loss(params, x, target, *extra):
+        return mse(module, (params, buffers), x, target, extra)
+
+    in_dims = (None, 0, 0) + (0,) * len(extra)
+    return functx.vmap(functx.grad(loss), in_dims=in_dims)(params, x, targets, *extra)
+
+
+def loop_per_sample_grads(module, x, targets, extra=()):
+    """Plain torch: one forward/backward per sample through the module's own parameters."""
+    names, params = zip(*module.named_parameters())
+    per_sample = []
+    for i in range(x.shape[0]):
+        args = (x[i : i + 1],) + tuple(e[:, i : i + 1] for e in extra)
+        loss = F.mse_loss(module(*args), targets[i : i + 1])
+        per_sample.append(torch.autograd.grad(loss, params))
+    return {name: torch.stack([g[j] for g in per_sample]) for j, name in enumerate(names)}
+
+
+def check_layer(name):
+    factory, spec = LAYERS[name]
+    module = factory()
+    x = sample_inputs(spec)
+    extra = ()
+    if name in WITH_H0:
+        extra = (torch.randn(1, BATCH, 5),)  # (num_layers, batch, hidden) -> batch at dim 1
+    with torch.no_grad():
+        out_shape = module(x[:1], *(e[:, :1] for e in extra)).shape[1:]
+    targets = torch.randn(BATCH, *out_shape)
+    expected = loop_per_sample_grads(module, x, targets, extra)
+    with functx.vmap_fallback("error"):
+        ours = functx_per_sample_grads(module, x, targets, tuple(e.movedim(1, 0) for e in extra))
+    assert ours.keys() == expected.keys()
+    for k in expected:
+        assert_close(ours[k], expected[k], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {k}: {m}")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(reason=XFAIL[n], strict=True)) if n in XFAIL else n for n in LAYERS],
+)
+def test_per_sample_grads_match_loop(name):
+    if name.endswith("no_mkldnn"):
+        with torch.backends.mkldnn.flags(enabled=False):
+            check_layer(name)
+    else:
+        check_layer(name)
+
+
+def test_gru_default_initial_state_fails_like_torch_func():
+    """With the default (unbatched, zero) initial hidden state, ATen's GRU cell computes the
+    hidden gates from unbatched weights and state, then adds batched values into them in
+    place (aten::add_.Tensor) -- torch.func fails on the same write. Passing a per-sample
+    h0 (test above) avoids it."""
+    module = RNNOutput(nn.GRU(4, 5, batch_first=True))
+    x = torch.randn(BATCH, 3, 4)
+    with pytest.raises(RuntimeError, match="aten::add_.Tensor writes in place"):
+        functx_per_sample_grads(module, x, torch.randn(BATCH, 3, 5))
+    with pytest.raises(RuntimeError):
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        torch.func.vmap(torch.func.grad(lambda p, x: torch.func.functional_call(module, p, x[None]).sum()), in_dims=(None, 0))(params, x)
+
+
+def test_lstm_default_path_is_correct_through_per_sample_fallback(monkeypatch):
+    """On CPU with oneDNN enabled, LSTM runs aten::mkldnn_rnn_layer, which has no batching
+    rule: the per-sample fallback gives correct values and warns."""
+    from functx.vmap import fallback
+
+    monkeypatch.setattr(fallback, "_warned", set())  # it warns once per op and process
+    module = RNNOutput(nn.LSTM(4, 5, batch_first=True))
+    x = torch.randn(BATCH, 3, 4)
+    targets = torch.randn(BATCH, 3, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = functx_per_sample_grads(module, x, targets)
+    assert any("mkldnn_rnn_layer" in str(w.message) for w in caught)
+    expected = loop_per_sample_grads(module, x, targets)
+    for k in expected:
+        assert_close(ours[k], expected[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.xfail(reason="no batching rule for aten::mkldnn_rnn_layer (LSTM on CPU with oneDNN)", strict=True)
+def test_lstm_default_path_without_fallback():
+    module = RNNOutput(nn.LSTM(4, 5, batch_first=True))
+    with functx.vmap_fallback("error"):
+        functx_per_sample_grads(module, torch.randn(BATCH, 3, 4), torch.randn(BATCH, 3, 5))
+
+
+def test_per_sample_grads_of_small_cnn_classifier():
+    """The DP-SGD use: cross-entropy of a conv net, per sample."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+    x = torch.randn(4, 1, 8, 8)
+    y = torch.randint(0, 5, (4,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, x, y):
+        return F.cross_entropy(functx.functional_call(model, params, x[None]), y[None])
+
+    with functx.vmap_fallback("error"):
+        ours = functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(4):
+        grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+        for (k, _), g in zip(model.named_parameters(), grads):
+            assert_close(ours[k][i], g, atol=1e-5, rtol=1e-4)
