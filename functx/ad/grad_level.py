@@ -67,19 +67,27 @@ class GradInterpreter(Interpreter):
         if op is _detach:
             # Cut this level's graph only: a fresh wrapper of the same (still attached) value.
             return GradTensor(args[0]._value, self)
-        values = [self._unwrap(a) for a in args]
+        unwrap = self._unwrap
+        values = [
+            a._value if type(a) is GradTensor and a._interp is self
+            else unwrap(a) if type(a) is list or type(a) is tuple
+            else a
+            for a in args
+        ]
         if op is _view_as_real and values[0].is_conj():
             # The wrapper of a lazily conjugated value does not carry the conj bit itself
             # (copying it breaks second-order gradients of complex ops), so user-level
             # `resolve_conj()` never reached the value: resolve it here.
             values[0] = values[0].resolve_conj()
-        kw_values = {k: self._unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
         with _restore_autograd():
             if self.prev_grad_mode:
                 out = op(*values, **kw_values)
             else:
                 with torch.no_grad():
                     out = op(*values, **kw_values)
+        if type(out) is torch.Tensor and mutated_argument(op) is None:  # the common case
+            return GradTensor(out, self)
         return self._wrap_result(op, args, out)
 
     def _unwrap(self, x):
