@@ -22,3 +22,14 @@ def op_name(op) -> str:
         return repr(op)
     overload = schema.overload_name
     return f"{schema.name}.{overload}" if overload else schema.name
+
+
+def raise_unbatched_inplace(op, target):
+    """vmap: an in-place op would write a batched value into a tensor that is not batched."""
+    raise RuntimeError(
+        f"vmap: {op_name(op)} writes in place into a tensor that is not batched at this vmap "
+        f"level (shape {tuple(target.shape)}), but a value it writes is batched: each batch "
+        f"element would need its own copy of that tensor. Write into a batched tensor instead, "
+        f"e.g. use the out-of-place op or clone a batched tensor first "
+        f"(`x = x.expand(...).clone()` / `torch.zeros_like(batched)`)."
+    )

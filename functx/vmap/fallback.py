@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ..core import config
-from ..core.errors import PerformanceWarning, op_name
+from ..core.errors import PerformanceWarning, op_name, raise_unbatched_inplace
 
 _warned: set = set()
 
@@ -57,8 +57,6 @@ def loop_fallback(op):
             )
         for i in mutated:
             if not interp.is_batched(args[i]):
-                from .templates import raise_unbatched_inplace
-
                 raise_unbatched_inplace(op, args[i])
         results = []
         for b in range(interp.batch_size):

@@ -20,7 +20,7 @@ import torch
 import torch._prims  # noqa: F401  (is_elementwise_prim reads its factories)
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from ..core.errors import op_name
+from ..core.errors import op_name, raise_unbatched_inplace  # noqa: F401  (rules import it from here)
 from .batched_tensor import BatchedTensor
 
 Tensor = torch.Tensor
@@ -66,16 +66,6 @@ def pad_to_rank(value: Tensor, logical: int, rank: int) -> Tensor:
 def _is_write(argument) -> bool:
     info = argument.alias_info
     return info is not None and info.is_write
-
-
-def raise_unbatched_inplace(op, target):
-    raise RuntimeError(
-        f"vmap: {op_name(op)} writes in place into a tensor that is not batched at this vmap "
-        f"level (shape {tuple(target.shape)}), but a value it writes is batched: each batch "
-        f"element would need its own copy of that tensor. Write into a batched tensor instead, "
-        f"e.g. use the out-of-place op or clone a batched tensor first "
-        f"(`x = x.expand(...).clone()` / `torch.zeros_like(batched)`)."
-    )
 
 
 def _argument_types(op):
