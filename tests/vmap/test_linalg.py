@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import functx
 from functx import vmap
+from .loop_reference import loop, stack_tree  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
 
@@ -67,17 +68,6 @@ def const(value):
 
 
 # -- the check -----------------------------------------------------------------------------
-def stack_tree(outs):
-    first = outs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(outs)
-    return type(first)(stack_tree([o[i] for o in outs]) for i in range(len(first)))
-
-
-def loop(fn, args, in_dims):
-    return stack_tree([fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(B)])
-
-
 def batched_inputs(makers, batched, dim):
     """Args (batched ones: B samples stacked at `dim`) and their in_dims."""
     args, in_dims = [], []

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import functx
 from functx import vmap
+from .loop_reference import loop, stack_tree  # noqa: F401
 
 B = 3  # batch size of every test
 f64 = torch.float64
@@ -28,17 +29,6 @@ def randn(*shape):
 
 def positive(*shape):
     return lambda: torch.rand(*shape, dtype=f64) + 0.5
-
-
-def stack_tree(outs):
-    first = outs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(outs)
-    return type(first)(stack_tree([o[i] for o in outs]) for i in range(len(first)))
-
-
-def loop(fn, args, in_dims):
-    return stack_tree([fn(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(B)])
 
 
 def batched_inputs(makers, pattern, dim):
