@@ -13,10 +13,12 @@ from .nn import (
     make_functional_with_buffers,
     replace_all_batch_norm_modules_,
     stack_module_state,
+    Ensemble,
+    vmap_init,
 )
 from .vmap import vmap
 from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]
+__all__ = ["nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]

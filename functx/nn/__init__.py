@@ -10,6 +10,7 @@ from .make_functional import (
     make_functional_with_buffers,
 )
 from .stack import stack_module_state
+from .ensemble import Ensemble, vmap_init
 
 __all__ = [
     "replace_all_batch_norm_modules_",
@@ -20,4 +21,6 @@ __all__ = [
     "combine_state_for_ensemble",
     "FunctionalModule",
     "FunctionalModuleWithBuffers",
+    "Ensemble",
+    "vmap_init",
 ]

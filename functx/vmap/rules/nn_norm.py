@@ -140,15 +140,22 @@ def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running
     x = materialize(interp, input)
     channels = x.shape[2]
     folded = x.movedim(0, 1).flatten(1, 2)
-    stats = [_flat_channels(interp, s) for s in (running_mean, running_var)]
+    # Running stats are updated in place by the kernel: flatten them as views where the
+    # layout allows (then nothing to write back), copy otherwise and write the update
+    # back. A write-back onto the same memory would still bump the version counter of a
+    # tensor autograd saved, breaking a later backward.
+    stats, copied = [], []
+    for s in (running_mean, running_var):
+        value = None if s is None else materialize(interp, s)
+        viewable = value is None or value.is_contiguous()
+        stats.append(None if value is None else value.view(-1) if viewable else value.contiguous().view(-1))
+        copied.append(not viewable)
     out, save_mean, save_invstd = aten.native_batch_norm.default(
         folded, _flat_channels(interp, weight), _flat_channels(interp, bias), *stats, training, momentum, eps
     )
     if training:
-        # The kernel updated the flattened stats in place; when reshape had to copy
-        # (a non-contiguous batched buffer), write the update back. A no-op otherwise.
-        for original, flat in zip((running_mean, running_var), stats):
-            if original is not None:
+        for original, flat, is_copy in zip((running_mean, running_var), stats, copied):
+            if is_copy:
                 original._value.copy_(flat.view(batch, channels))
     out = out.unflatten(1, (batch, channels)).movedim(1, 0)
     if save_mean.numel() == batch * channels:  # training: per (element, channel) statistics
