@@ -55,6 +55,10 @@ LAYERS = {
         lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2),
         (4, 9, 9),
     ),
+    "conv1d_groups_stride_padding_dilation": (
+        lambda: nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2),
+        (4, 9),
+    ),
     "conv_transpose2d": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (4, 5, 5)),
     "layer_norm": (lambda: nn.LayerNorm([5]), (3, 5)),
     "group_norm": (lambda: nn.GroupNorm(2, 4), (4, 5)),
@@ -197,3 +201,27 @@ def test_per_sample_grads_of_small_cnn_classifier():
         grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
         for (k, _), g in zip(model.named_parameters(), grads):
             assert_close(ours[k][i], g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_dropout_per_sample_gradients(randomness):
+    """d/dx sum(W dropout(x)) = W^T 1 * mask / (1 - p): the masks behind the per-sample
+    gradients follow the randomness mode, and each has about p of its entries dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(200, 1, bias=False)).train()
+    params = dict(model.named_parameters())
+    x = torch.randn(8, 200)
+
+    def loss(p, xi):
+        return functx.functional_call(model, p, (xi,)).sum()
+
+    grads = functx.vmap(functx.grad(loss, argnums=1), in_dims=(None, 0), randomness=randomness)(params, x)
+    scale = model[1].weight.detach()[0] * 2.0  # W^T 1 / (1 - p)
+    masks = grads / scale
+    assert torch.all((masks.abs() < 1e-5) | ((masks - 1).abs() < 1e-5)), "gradients are not mask * W / (1-p)"
+    dropped = (masks.abs() < 1e-5).float().mean(1)
+    assert torch.all((dropped > 0.3) & (dropped < 0.7))
+    if randomness == "same":
+        torch.testing.assert_close(masks, masks[0].expand_as(masks))
+    else:
+        assert all(not torch.equal(masks[0], masks[i]) for i in range(1, 8))
