@@ -1,7 +1,8 @@
 """Run every benchmark in one process and print one markdown report (the README's tables).
 
-Run:  .venv/bin/python benchmarks/run_all.py [--quick] [--suite all|vmap|ad]
-      (vmap suite: full ~1.5 min, quick ~20 s; ad suite: full ~2 min, quick ~40 s on a quiet host)
+Run:  .venv/bin/python benchmarks/run_all.py [--quick] [--suite all|vmap|ad|nn]
+      (vmap suite: full ~1.5 min, quick ~20 s; ad suite: full ~2 min, quick ~40 s on a quiet host;
+      nn suite: full ~15 s, quick ~6 s)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ad_common
 import ad_jacobians
 import ad_maml
 import ad_per_sample_grads
+import nn_module_state
 import vmap_mlp
 import vmap_overhead
 from _harness import environment, markdown_table, standard_arguments
@@ -23,7 +25,9 @@ from _harness import environment, markdown_table, standard_arguments
 AD_SUITE = (ad_per_sample_grads, ad_jacobians, ad_maml)
 
 
-def targets_table(overhead: dict | None, mlp: dict | None, ad: list[dict] = (), cold: dict | None = None) -> str:
+def targets_table(
+    overhead: dict | None, mlp: dict | None, ad: list[dict] = (), cold: dict | None = None, nn: dict | None = None
+) -> str:
     """One row per target from the performance issue: what it asks, what we measured."""
     rows = []
     if overhead is not None:
@@ -41,6 +45,8 @@ def targets_table(overhead: dict | None, mlp: dict | None, ad: list[dict] = (), 
                 "met" if cold["target_met"] else "NOT met",
             ]
         )
+    if nn is not None:
+        rows += _nn_target_rows(nn)
     return markdown_table(["target", "asked", "measured", "status"], rows)
 
 
@@ -65,6 +71,17 @@ def _ad_target_rows(out: dict) -> list[list[str]]:
                     "met" if r["loop_met"] else "NOT met",
                 ]
             )
+    return rows
+
+
+def _nn_target_rows(out: dict) -> list[list[str]]:
+    """Module-state benchmarks: only the functx/torch.func ratio is a target there."""
+    rows = []
+    for r in out["results"]:
+        fallback = f"; per-sample loop for {', '.join(r['fallback_ops'])}" if r["fallback_ops"] else ""
+        rows.append(
+            [f"{r['label']}: functx/torch.func", f"<= {r['target']}x", f"{r['ratio']:.2f}x{fallback}", "met" if r["ratio_met"] else "NOT met"]
+        )
     return rows
 
 
@@ -102,11 +119,11 @@ def _mlp_status(result: dict) -> str:
 
 def main():
     parser = standard_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("all", "vmap", "ad"), default="all", help="which benchmarks to run")
-    parser.add_argument("--ad-threads", type=int, default=1, help="intra-op threads of the AD benchmarks (default 1)")
+    parser.add_argument("--suite", choices=("all", "vmap", "ad", "nn"), default="all", help="which benchmarks to run")
+    parser.add_argument("--ad-threads", type=int, default=1, help="intra-op threads of the AD and nn benchmarks (default 1)")
     args = parser.parse_args()
     env = environment()
-    overhead = mlp = cold = None
+    overhead = mlp = cold = nn = None
     ad: list[dict] = []
     if args.suite in ("all", "vmap"):
         overhead = vmap_overhead.run(quick=args.quick, rounds=args.rounds)
@@ -114,11 +131,13 @@ def main():
     if args.suite in ("all", "ad"):
         ad = [module.run(quick=args.quick, rounds=args.rounds, n_threads=args.ad_threads) for module in AD_SUITE]
         cold = ad_cold_start.run(quick=args.quick)  # --rounds is for the in-process timers
+    if args.suite in ("all", "nn"):
+        nn = nn_module_state.run(quick=args.quick, rounds=args.rounds, n_threads=args.ad_threads)
     print("# functx benchmark results\n")
     print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
     print("## Targets\n")
-    print(targets_table(overhead, mlp, ad, cold) + "\n")
-    for out in (overhead, mlp, *ad, cold):
+    print(targets_table(overhead, mlp, ad, cold, nn) + "\n")
+    for out in (overhead, mlp, *ad, cold, nn):
         if out is None:
             continue
         print(f"## {out['title']}\n")
