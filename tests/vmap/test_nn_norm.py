@@ -351,3 +351,21 @@ def test_per_sample_gradients_with_functx_grad():
         p = [q.detach().requires_grad_() for q in (w1, g1, g2)]
         expected.append(torch.autograd.grad(loss(p, x, t), p))
     torch.testing.assert_close(list(grads), [torch.stack(g) for g in zip(*expected)])
+
+
+@pytest.mark.parametrize("argnums", [(0, 1, 2), (0,), (2,)])
+@pytest.mark.parametrize("shape", [(4, 3, 5), (4, 5)])
+def test_layer_norm_backward_rule_gives_per_sample_gradients(argnums, shape):
+    """native_layer_norm_backward under vmap(grad): weight/bias gradients per sample."""
+    import torch.func as tf
+
+    w, b, x = torch.randn(5, dtype=f64), torch.randn(5, dtype=f64), torch.randn(*shape, dtype=f64)
+
+    def loss(w, b, xi):
+        return (F.layer_norm(xi, (5,), w, b) ** 3).sum()
+
+    with functx.vmap_fallback("error"):
+        got = vmap(functx.grad(loss, argnums=argnums), in_dims=(None, None, 0))(w, b, x)
+    want = tf.vmap(tf.grad(loss, argnums=argnums), in_dims=(None, None, 0))(w, b, x)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)

@@ -19,6 +19,7 @@ after one normalization call without them.
 """
 
 import torch
+import torch._decomp
 
 from ..batched_tensor import VMAP_RULES
 from ..templates import materialize, pad_to_rank
@@ -70,6 +71,34 @@ def _native_layer_norm(interp, input, normalized_shape, weight=None, bias=None, 
     out, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, None, None, eps)
     out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=0)
     return interp.wrap(out), _batched_stat(interp, mean, x_batched), _batched_stat(interp, rstd, x_batched)
+
+
+_layer_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_layer_norm_backward.default]
+
+
+@VMAP_RULES.register(aten.native_layer_norm_backward.default)
+def _native_layer_norm_backward(interp, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """Per-sample gradients of layer norm (vmap of grad): the input gradient is one call on
+    the physical tensors (the batch is one more leading dim); the weight and bias
+    gradients sum over the logical leading dims only, so they stay per batch element.
+    A batched weight or bias (ensembles) goes through torch's decomposition."""
+    if _any_batched(interp, weight, bias):
+        return _layer_norm_backward_decomposition(
+            grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+        )
+    go, x = materialize(interp, grad_out), materialize(interp, input)
+    mu, r = materialize(interp, mean), materialize(interp, rstd)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = interp.wrap(
+            aten.native_layer_norm_backward.default(go, x, normalized_shape, mu, r, weight, bias, [True, False, False])[0]
+        )
+    leading = tuple(range(1, go.dim() - len(normalized_shape)))
+    if output_mask[1] and weight is not None:
+        grad_weight = interp.wrap(((go * (x - mu) * r).sum(leading) if leading else go * (x - mu) * r))
+    if output_mask[2] and bias is not None:
+        grad_bias = interp.wrap(go.sum(leading) if leading else go)
+    return grad_input, grad_weight, grad_bias
 
 
 # -- group norm -----------------------------------------------------------------------------
