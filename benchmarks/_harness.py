@@ -229,3 +229,17 @@ def standard_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, ~10-20 s)")
     parser.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
     return parser
+
+
+def print_report(out: dict, env: dict[str, str]) -> None:
+    """Print one benchmark's result (`run()`'s dict) as markdown: title, environment, table, notes."""
+    print(f"## {out['title']}\n")
+    print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
+    print(out["table"] + "\n")
+    print(out["notes"])
+
+
+def standard_main(run: Callable[..., dict], description: str) -> None:
+    """`main()` of a benchmark script: parse the standard arguments, run, print markdown."""
+    args = standard_arguments(description).parse_args()
+    print_report(run(quick=args.quick, rounds=args.rounds), environment())

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _harness import environment, markdown_table, standard_arguments
+from _harness import markdown_table, standard_main
 
 TARGET_EXTRA_SECONDS = 0.2
 DTENSOR = "torch.distributed.tensor"
@@ -156,13 +156,7 @@ def run(quick: bool = False, rounds: int | None = None, n_threads: int | None = 
 
 
 def main():
-    args = standard_arguments(__doc__.splitlines()[0]).parse_args()
-    env = environment()
-    out = run(quick=args.quick, rounds=args.rounds)
-    print(f"## {out['title']}\n")
-    print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
-    print(out["table"] + "\n")
-    print(out["notes"])
+    standard_main(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def measure(
 
 def status(result: dict) -> str:
     """'met' / 'NOT met' for both AD targets of one benchmark, in words."""
-    parts = [f"<= {TARGET_RATIO}x torch.func: {'met' if result['ratio_met'] else 'NOT met'}"]
+    target = result.get("target", TARGET_RATIO)
+    parts = [f"<= {target}x torch.func: {'met' if result['ratio_met'] else 'NOT met'}"]
     if result["loop_met"] is None:
         parts.append("vs loop: n/a" if result["functx_vs_loop"] is None else "vs loop: n/a (loop faster than torch.func)")
     else:
@@ -145,14 +146,10 @@ def notes(results: list[dict]) -> str:
 
 def standalone(run: Callable[..., dict], description: str) -> None:
     """`main()` of an ad_*.py script: parse the standard arguments, run, print markdown."""
-    from _harness import environment, standard_arguments
+    from _harness import environment, print_report, standard_arguments
 
     parser = standard_arguments(description)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: stable on a shared host)")
     args = parser.parse_args()
     env = environment()
-    out = run(quick=args.quick, rounds=args.rounds, n_threads=args.threads)
-    print(f"## {out['title']}\n")
-    print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
-    print(out["table"] + "\n")
-    print(out["notes"])
+    print_report(run(quick=args.quick, rounds=args.rounds, n_threads=args.threads), env)

@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import functx
-from _harness import markdown_table
-from ad_common import measure, standalone
+import ad_common
+from ad_common import measure, standalone, table
 
 TARGET_RATIO = 1.3
 
@@ -142,56 +142,10 @@ def _with_target(result: dict) -> dict:
     return result
 
 
-def status(result: dict) -> str:
-    parts = [f"<= {TARGET_RATIO}x torch.func: {'met' if result['ratio_met'] else 'NOT met'}"]
-    if result["loop_met"] is None:
-        parts.append("vs loop: n/a (loop faster than torch.func)")
-    else:
-        parts.append(f"faster than loop: {'met' if result['loop_met'] else 'NOT met'}")
-    return "; ".join(parts)
-
-
-def table(results: list[dict]) -> str:
-    rows = []
-    for r in results:
-        q1, q3 = r["ratio_iqr"]
-        rows.append(
-            [
-                r["label"],
-                f"{r['functx_ms']:.2f}",
-                f"{r['torch.func_ms']:.2f}",
-                f"{r['loop_ms']:.2f}",
-                f"{r['ratio']:.2f}x ({q1:.2f}–{q3:.2f})",
-                f"{r['functx_vs_loop']:.2f}x",
-                f"{r['torchfunc_vs_loop']:.2f}x",
-                status(r),
-                f"{r['load_avg_1min']:.1f}",
-            ]
-        )
-    header = [
-        "benchmark",
-        "functx ms",
-        "torch.func ms",
-        "loop ms",
-        "functx/torch.func: paired median (IQR)",
-        "functx/loop",
-        "torch.func/loop",
-        "targets",
-        "load avg",
-    ]
-    return markdown_table(header, rows)
-
-
 def notes(results: list[dict]) -> str:
-    steals = [r["steal_fraction"] for r in results if r["steal_fraction"] is not None]
-    fallbacks = "; ".join(f"{r['label']}: {', '.join(r['fallback_ops'])}" for r in results if r["fallback_ops"]) or "none"
-    rounds = ", ".join(f"{r['rounds']}" for r in results)
-    return (
-        f"{results[0]['threads']} intra-op thread(s); {rounds} alternating rounds; max CPU steal: "
-        f"{'n/a' if not steals else f'{max(steals):.0%}'}; load avg = 1-minute load average after each. "
-        f"functx per-sample-loop fallbacks hit: {fallbacks}. (torch.func itself has no batching rule for "
-        f"aten::_scaled_dot_product_flash_attention_for_cpu and its backward and runs them per sample, with a "
-        f"UserWarning.)"
+    return ad_common.notes(results) + (
+        " (torch.func itself has no batching rule for aten::_scaled_dot_product_flash_attention_for_cpu "
+        "and its backward and runs them per sample, with a UserWarning.)"
     )
 
 

@@ -26,7 +26,7 @@ import torch.func
 import torch.nn.functional as F
 
 import functx
-from _harness import environment, fallback_warnings, interleaved, markdown_table, standard_arguments, threads
+from _harness import fallback_warnings, interleaved, markdown_table, standard_main, threads
 
 SIZES = (784, 512, 256, 10)
 BATCHES = (64, 1024)
@@ -157,13 +157,7 @@ def _contended_batches(results: list[dict], default_threads: int) -> list[int]:
 
 
 def main():
-    args = standard_arguments(__doc__.splitlines()[0]).parse_args()
-    env = environment()
-    out = run(quick=args.quick, rounds=args.rounds)
-    print(f"## {out['title']}\n")
-    print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
-    print(out["table"] + "\n")
-    print(out["notes"])
+    standard_main(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

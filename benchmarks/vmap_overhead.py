@@ -24,7 +24,7 @@ import torch
 import torch.func
 
 import functx
-from _harness import environment, fallback_warnings, interleaved, markdown_table, standard_arguments, threads, us
+from _harness import fallback_warnings, interleaved, markdown_table, standard_main, threads, us
 
 N_OPS = 200
 SHAPE = (8, 4)
@@ -143,13 +143,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict:
 
 
 def main():
-    args = standard_arguments(__doc__.splitlines()[0]).parse_args()
-    env = environment()
-    out = run(quick=args.quick, rounds=args.rounds)
-    print(f"## {out['title']}\n")
-    print(", ".join(f"{k}: {v}" for k, v in env.items()) + "\n")
-    print(out["table"] + "\n")
-    print(out["notes"])
+    standard_main(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
