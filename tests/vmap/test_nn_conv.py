@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import functx
 from functx import vmap
-from .loop_reference import loop, stack_tree  # noqa: F401
+from .loop_reference import loop, stack_tree, batched_inputs, check  # noqa: F401
 
 B = 3  # batch size of every test
 f64 = torch.float64
@@ -25,22 +25,6 @@ aten = torch.ops.aten
 # -- the check -------------------------------------------------------------------------------
 def randn(*shape):
     return lambda: torch.randn(*shape, dtype=f64)
-
-
-def batched_inputs(makers, pattern, dim):
-    """Args (batched ones: B samples stacked at `dim`) and their in_dims."""
-    args = [
-        torch.stack([make() for _ in range(B)], dim=dim) if batched else make()
-        for make, batched in zip(makers, pattern)
-    ]
-    return args, tuple(dim if batched else None for batched in pattern)
-
-
-def check(fn, makers, pattern, dim):
-    args, in_dims = batched_inputs(makers, pattern, dim)
-    with functx.vmap_fallback("error"):
-        out = vmap(fn, in_dims=in_dims)(*args)
-    torch.testing.assert_close(out, loop(fn, args, in_dims))
 
 
 def with_patterns(cases):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import functx
 from functx import vmap
-from .loop_reference import loop, stack_tree  # noqa: F401
+from .loop_reference import loop, stack_tree, batched_inputs, check  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss")
 
@@ -53,19 +53,6 @@ def classes(n, *shape, ignore=None):
 
 def signs(*shape):
     return lambda: torch.randint(0, 2, shape).to(f64) * 2 - 1
-
-
-def batched_inputs(makers, pattern, dim):
-    """Args (batched ones: B samples stacked at `dim`) and their in_dims."""
-    args = [torch.stack([make() for _ in range(B)], dim=dim) if batched else make() for make, batched in zip(makers, pattern)]
-    return args, tuple(dim if batched else None for batched in pattern)
-
-
-def check(fn, makers, pattern, dim):
-    args, in_dims = batched_inputs(makers, pattern, dim)
-    with functx.vmap_fallback("error"):
-        out = vmap(fn, in_dims=in_dims)(*args)
-    torch.testing.assert_close(out, loop(fn, args, in_dims))
 
 
 def with_patterns(cases, dims=(0, -1), every_pattern_at=(0,)):

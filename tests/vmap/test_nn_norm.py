@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import functx
 from functx import vmap
-from .loop_reference import loop, stack_tree  # noqa: F401
+from .loop_reference import loop, stack_tree, batched_inputs, check, with_patterns_and_dims as with_patterns  # noqa: F401
 
 B = 3  # batch size of every test
 f64 = torch.float64
@@ -29,33 +29,6 @@ def randn(*shape):
 
 def positive(*shape):
     return lambda: torch.rand(*shape, dtype=f64) + 0.5
-
-
-def batched_inputs(makers, pattern, dim):
-    """Args (batched ones: B samples stacked at `dim`) and their in_dims."""
-    args = [torch.stack([make() for _ in range(B)], dim=dim) if batched else make() for make, batched in zip(makers, pattern)]
-    return args, tuple(dim if batched else None for batched in pattern)
-
-
-def check(fn, makers, pattern, dim):
-    args, in_dims = batched_inputs(makers, pattern, dim)
-    with functx.vmap_fallback("error"):
-        out = vmap(fn, in_dims=in_dims)(*args)
-    torch.testing.assert_close(out, loop(fn, args, in_dims))
-
-
-def with_patterns(cases, dims=(0, -1)):
-    """pytest params: every case times every non-empty set of batched arguments with the
-    batch dim at 0; at the last dim, only one argument batched or all of them (enough to
-    catch a rule that ignores where the batch dim was, at a fraction of the cost)."""
-    for name, fn, makers in cases:
-        for pattern in itertools.product((False, True), repeat=len(makers)):
-            for dim in dims:
-                if not any(pattern) or (dim != 0 and 1 < sum(pattern) < len(pattern)):
-                    continue
-                label = "".join("b" if p else "u" for p in pattern)
-                where = "first" if dim == 0 else "last"
-                yield pytest.param(fn, makers, pattern, dim, id=f"{name}-{label}-{where}")
 
 
 # -- layer norm, group norm, batch norm without running-stat updates ----------------------------
