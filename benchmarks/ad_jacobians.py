@@ -13,9 +13,8 @@ Contenders, alternating in one process:
                 jacfwd:  torch.autograd.forward_ad dual numbers, one forward per input element
                 hessian: the gradient with create_graph, then one backward per gradient element
 
-functx's jvp/jacfwd/hessian use the double-VJP identity (forward mode from two reverse
-passes), so forward mode costs about three function evaluations there; torch.func has
-native forward-mode rules.
+functx's jacfwd is forward mode (torch's forward formulas on jvp-level wrappers, under
+vmap); its hessian is reverse-over-reverse (torch.func's is forward-over-reverse).
 
 Run:  .venv/bin/python benchmarks/ad_jacobians.py [--quick] [--threads N]
 """

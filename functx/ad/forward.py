@@ -1,22 +1,29 @@
 """Forward mode: `jvp`, `linearize`, `jacfwd`, `hessian` (torch.func signatures).
 
-Jacobian-vector products come from the double-VJP identity: for u ↦ vjp(u) = Jᵀu,
-⟨Jᵀu, t⟩ = ⟨u, Jt⟩, so Jt = ∇_u ⟨vjp(u), t⟩. It needs only reverse mode, so it works for
-every op torch can differentiate twice and nests like grad does (jvp of jvp, jvp of
-grad = Hessian-vector products, vmap of jvp = jacfwd), at about three times the cost of
-the function. Native JVP rules for hot ops are the planned speed-up (see the issue notes).
+`jvp` runs the function at a jvp level (`forward_level.py`): tangents ride on the
+level's wrappers as torch forward gradients, so torch's forward formulas (and an
+`autograd.Function`'s `jvp`) compute them, at any depth of nesting. An op torch has no
+forward formula for makes the whole `jvp` fall back to the double-VJP identity: for
+u ↦ vjp(u) = Jᵀu, ⟨Jᵀu, t⟩ = ⟨u, Jt⟩, so Jt = ∇_u ⟨vjp(u), t⟩, which needs only reverse
+mode (twice), so jvp never fails for lack of a forward formula. `linearize` uses that
+identity on purpose: it records the function once and never re-runs it.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import optree
 import torch
+import torch.autograd.forward_ad as fwAD
 
+from ..core.errors import PerformanceWarning
+from ..core.interpreter import interpreting
 from ..vmap import vmap
-from .arguments import check_argnums, identity_rows, replace_argnums, select_argnums
-from .reverse import _vjp_with_argnums, grad, jacobian_by_rows
+from .arguments import check_argnums, identity_rows, replace_argnums, select_argnums, unwrap_level
+from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
+from .reverse import _split_aux, _vjp_with_argnums, grad
 
 _JVP = "jvp(f, primals, tangents)"
 
@@ -63,6 +70,60 @@ def _check_primals_tangents(primals, tangents, api):
     return flat_tangents
 
 
+_NO_FORWARD_FORMULA = "Trying to use forward AD with"
+
+
+def _check_outputs(flat_out, output, api):
+    if not flat_out:
+        raise RuntimeError(f"{api}: Expected f to be a function that has non-empty output (got output = {output})")
+    for out in flat_out:
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
+
+
+def _forward_jvp(func, primals, flat_tangents, has_aux, api):
+    """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
+    output does not depend on the primals, output structure, aux)."""
+    flat_primals, primals_spec = optree.tree_flatten(primals)
+    for p in flat_primals:
+        if not (p.is_floating_point() or p.is_complex()):
+            raise RuntimeError(
+                f"{api}: only floating-point or complex primals have tangents, got a Tensor with "
+                f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
+            )
+    with dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(JvpInterpreter()) as level:
+        duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
+        output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
+        flat_out, out_spec = optree.tree_flatten(output)
+        _check_outputs(flat_out, output, api)
+        pairs = [unpack_dual(level, o) for o in flat_out]
+        aux = unwrap_level(aux, level)
+    return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
+
+
+def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api):
+    """The same as `_forward_jvp`, by the double-VJP identity (reverse mode only)."""
+    output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
+    flat_out, out_spec = optree.tree_flatten(output)
+    tangents = _tangent_map(vjp_fn, flat_out, out_spec)(flat_tangents)
+    return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
+
+
+def _jvp_flat(func, primals, flat_tangents, has_aux, api):
+    try:
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api)
+    except NotImplementedError as error:
+        if _NO_FORWARD_FORMULA not in str(error):
+            raise
+        warnings.warn(
+            f"functx.jvp: {str(error).splitlines()[0]} Computing this jvp by the double-VJP identity "
+            "instead (two reverse passes; needs the op's double backward).",
+            PerformanceWarning,
+            stacklevel=3,
+        )
+        return _double_vjp_jvp(func, primals, flat_tangents, has_aux, api)
+
+
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):
     """Evaluate `func(*primals)` and its Jacobian-vector product with `tangents`;
     returns `(output, jvp_out)` (and `aux` with has_aux=True).
@@ -75,14 +136,15 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
         True
     """
     flat_tangents = _check_primals_tangents(primals, tangents, _JVP)
-    output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, _JVP)
-    flat_out, out_spec = optree.tree_flatten(output)
-    if strict and any(vjp_fn.independent_outputs):
+    flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP)
+    if strict and any(t is None for t in flat_tangent_out):
         raise RuntimeError(
             "jvp(f, primals, tangents, strict=True): The output of f is independent of the inputs. "
             "This is not allowed with strict=True."
         )
-    tangent_out = optree.tree_unflatten(out_spec, _tangent_map(vjp_fn, flat_out, out_spec)(flat_tangents))
+    flat_tangent_out = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
+    output = optree.tree_unflatten(out_spec, flat_out)
+    tangent_out = optree.tree_unflatten(out_spec, flat_tangent_out)
     return (output, tangent_out, aux) if has_aux else (output, tangent_out)
 
 
@@ -110,8 +172,8 @@ def linearize(func, *primals):
 
 
 def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=None):
-    """Jacobian of `func` with respect to the `argnums` arguments, column by column
-    (one vectorized JVP per input element; `chunk_size` columns at a time bounds memory).
+    """Jacobian of `func` with respect to the `argnums` arguments by forward mode: one
+    vectorized JVP per input element (`chunk_size` columns at a time bounds memory).
 
     Same result structure as `jacrev`. Goes beyond torch.func with `chunk_size`.
 
@@ -130,37 +192,48 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
         checked = check_argnums(argnums, len(args), api)
         diff = select_argnums(args, checked)
         flat_diff, diff_spec = optree.tree_flatten(diff)
+        for x in flat_diff:
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(x)}")
+            if x.is_complex():
+                raise RuntimeError("jacfwd: Expected all inputs to be real but received complex tensor")
 
         def of_diff(*flat):
             return func(*replace_argnums(args, checked, optree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
-        output, vjp_fn, aux = _vjp_with_argnums(of_diff, tuple(flat_diff), {}, None, has_aux, api)
-        flat_out, out_spec = optree.tree_flatten(output)
+        def push_jvp(*basis):
+            flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api)
+            for out in flat_out:
+                if out.is_complex():
+                    raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")
+            tangents = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents)]
+            return optree.tree_unflatten(out_spec, tangents), aux
+
         total = sum(x.numel() for x in flat_diff)
-        if sum(o.numel() for o in flat_out) <= 2 * total:
-            # Forward mode is the double-VJP identity for now: a row costs one backward
-            # pass, a column two, so build the (identical) Jacobian by rows when there
-            # are not many more rows than columns.
-            blocks, _ = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
-            jacobian = optree.tree_unflatten(out_spec, [optree.tree_unflatten(diff_spec, b) for b in blocks])
-            return (jacobian, aux) if has_aux else jacobian
-        tangent_map = _tangent_map(vjp_fn, flat_out, out_spec)
-        step = total if chunk_size is None else chunk_size
-        columns = []
+        step = max(total, 1) if chunk_size is None else chunk_size
+        chunks = []
         for start in range(0, total, step):
             basis = identity_rows(flat_diff, start, min(start + step, total))
-            columns.append(vmap(lambda *t: tuple(tangent_map(list(t))), randomness=randomness)(*basis))
-        flat_columns = [torch.cat([c[i] for c in columns]) if len(columns) > 1 else columns[0][i] for i in range(len(flat_out))]
+            chunks.append(vmap(push_jvp, randomness=randomness)(*basis))
+        columns, aux = chunks[0]
+        flat_cols, out_spec = optree.tree_flatten(columns)
+        if len(chunks) > 1:  # (total, *out.shape) per output
+            flat_cols = [torch.cat(parts) for parts in zip(*(optree.tree_leaves(c) for c, _ in chunks))]
         per_output = []
-        for out, col in zip(flat_out, flat_columns):  # col: (total, *out.shape)
+        for col in flat_cols:
+            out_shape = col.shape[1:]
             pieces = col.split([x.numel() for x in flat_diff])
             leaves = [
-                p.reshape(*x.shape, *out.shape).movedim(tuple(range(x.dim())), tuple(range(out.dim(), out.dim() + x.dim())))
+                p.reshape(*x.shape, *out_shape).movedim(
+                    tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim()))
+                )
                 for p, x in zip(pieces, flat_diff)
             ]
             per_output.append(optree.tree_unflatten(diff_spec, leaves))
         jacobian = optree.tree_unflatten(out_spec, per_output)
-        return (jacobian, aux) if has_aux else jacobian
+        if has_aux:  # aux does not depend on the basis: every batch element is the same
+            return jacobian, optree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
+        return jacobian
 
     return wrapper
 
@@ -169,9 +242,10 @@ def hessian(func, argnums=0, *, chunk_size=None):
     """Hessian of a scalar `func` with respect to the `argnums` arguments.
     `chunk_size` bounds memory (beyond torch.func).
 
-    torch.func computes `jacfwd(jacrev(func))`. While functx's forward mode is the
-    double-VJP identity, reverse-over-reverse gives the same matrix (a Hessian is
-    symmetric) with one backward pass per row instead of two: 2.7x faster here.
+    torch.func computes `jacfwd(jacrev(func))`; functx computes reverse-over-reverse,
+    `jacrev(jacrev(func))`: the same matrix (a Hessian is symmetric), and here about 1.6x
+    faster than forward-over-reverse, whose forward formulas of the backward ops add
+    more dispatches per op than a second backward pass does (benchmarks/README.md).
 
     Example:
         >>> import torch, functx

@@ -21,8 +21,50 @@ from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
-_detach = torch.ops.aten.detach.default
 _view_as_real = torch.ops.aten.view_as_real.default
+_META = torch.device("meta")
+aten = torch.ops.aten
+
+
+def _new_wrapper(interp, args, kwargs):
+    """`detach` cuts this level's graph only: a fresh wrapper of the same (still attached)
+    value. Making a dual and taking its primal alias the wrapper: torch attaches or drops
+    the tangent on the new wrapper, the values below are not involved."""
+    x = args[0]
+    if type(x) is GradTensor and x._interp is interp:
+        return GradTensor(x._value, interp)
+    return None
+
+
+def _same_size(interp, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+def _same_storage_numel(interp, args, kwargs):
+    # About this level's wrappers, which mirror their values' sizes, strides and offsets.
+    a, b = args
+    return a.untyped_storage().nbytes() // a.element_size() == b.untyped_storage().nbytes() // b.element_size()
+
+
+def _to_meta(interp, args, kwargs):
+    # torch's ZeroTensor arithmetic (the tangent of an input that has none) finds a
+    # result's shape by running the op on `.to("meta")` copies: metadata only.
+    if kwargs.get("device") != _META:
+        return None
+    x = args[0]
+    return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
+
+
+# Ops a grad/jvp level answers itself, without going down the levels (None: go down).
+# Except `detach`, they are the bookkeeping torch's forward AD does on the wrappers.
+_AT_THIS_LEVEL = {
+    aten.detach.default: _new_wrapper,
+    aten._make_dual.default: _new_wrapper,
+    aten._fw_primal.default: _new_wrapper,
+    aten.is_same_size.default: _same_size,
+    aten._has_same_storage_numel.default: _same_storage_numel,
+    aten.to.dtype_layout: _to_meta,
+}
 
 
 class GradTensor(LevelTensor):
@@ -64,9 +106,11 @@ class GradInterpreter(Interpreter):
         self.prev_grad_mode = torch.is_grad_enabled()
 
     def process(self, op, args, kwargs):
-        if op is _detach:
-            # Cut this level's graph only: a fresh wrapper of the same (still attached) value.
-            return GradTensor(args[0]._value, self)
+        here = _AT_THIS_LEVEL.get(op)
+        if here is not None:
+            out = here(self, args, kwargs)
+            if out is not None:
+                return out
         unwrap = self._unwrap
         values = [
             a._value if type(a) is GradTensor and a._interp is self

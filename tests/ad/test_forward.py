@@ -1,10 +1,13 @@
 """jvp / linearize / jacfwd / hessian against torch.func, torch.autograd and finite differences."""
 
+import warnings
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.func as tf
 
-from functx import grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
+from functx import PerformanceWarning, grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
 
 D = torch.float64
 
@@ -102,11 +105,104 @@ def test_jvp_errors(call, match):
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1])
-def test_jacfwd_by_columns_when_outputs_outnumber_inputs(chunk_size):
-    """Many more outputs than inputs: jacfwd builds the Jacobian column by column."""
+def test_jacfwd_pytree_outputs(chunk_size):
     w = torch.randn(12, 2, dtype=D)
     f = lambda x: {"a": torch.sin(w @ x), "b": (w @ x).view(3, 4).exp()}  # noqa: E731
     x = torch.randn(2, dtype=D)
     got, want = jacfwd(f, chunk_size=chunk_size)(x), tf.jacfwd(f)(x)
     torch.testing.assert_close(got["a"], want["a"])
     torch.testing.assert_close(got["b"], want["b"])
+
+
+# -- forward mode proper: torch's forward formulas on jvp-level wrappers ------------------
+
+
+def forward_ad_reference(f, primals, tangents):
+    with fwAD.dual_level():
+        out = f(*[fwAD.make_dual(p, t) for p, t in zip(primals, tangents)])
+        return fwAD.unpack_dual(out).tangent
+
+
+def test_jvp_uses_forward_formulas_where_torch_has_no_double_backward():
+    """hardsigmoid's backward is not differentiable in torch (a double-VJP jvp raises),
+    but it has a forward formula: functx.jvp uses it, also nested in vmap and grad."""
+    x = torch.linspace(-4, 4, 9, dtype=D)
+    t = torch.randn(9, dtype=D)
+    f = torch.nn.functional.hardsigmoid
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)  # no fallback
+        torch.testing.assert_close(jvp(f, (x,), (t,))[1], forward_ad_reference(f, (x,), (t,)))
+        torch.testing.assert_close(jacfwd(f)(x), tf.jacfwd(f)(x))
+        ts = torch.randn(3, 9, dtype=D)
+        torch.testing.assert_close(vmap(lambda u: jvp(f, (x,), (u,))[1])(ts), torch.stack([forward_ad_reference(f, (x,), (u,)) for u in ts]))
+
+
+@pytest.mark.parametrize("case", ["index_reduce_mean", "grid_sample"])
+def test_jvp_falls_back_to_double_vjp_without_a_forward_formula(case):
+    """torch has no forward formula for these ops: functx.jvp warns once and computes the
+    jvp by the double-VJP identity (torch.func.jvp raises)."""
+    if case == "index_reduce_mean":
+        base, index = torch.randn(4, 3, dtype=D), torch.tensor([0, 2, 0, 3, 2])
+        x, t = torch.randn(5, 3, dtype=D), torch.randn(5, 3, dtype=D)
+        f = lambda src: base.index_reduce(0, index, src, "mean").sin()  # noqa: E731
+    else:
+        inp = torch.randn(1, 2, 5, 5, dtype=D)
+        x, t = torch.rand(1, 3, 3, 2, dtype=D) * 1.6 - 0.8, torch.randn(1, 3, 3, 2, dtype=D)
+        f = lambda g: torch.nn.functional.grid_sample(inp, g, align_corners=False)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        tf.jvp(f, (x,), (t,))
+    with pytest.warns(PerformanceWarning, match="double-VJP"):
+        out, tangent = jvp(f, (x,), (t,))
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(tangent, finite_difference_jvp(f, x, t), rtol=1e-5, atol=1e-6)
+    with pytest.warns(PerformanceWarning):
+        jac = jacfwd(f)(x)
+    torch.testing.assert_close(jac, tf.jacrev(f)(x))
+
+
+def test_tangents_follow_views_and_non_contiguous_primals():
+    """torch attaches a tangent only if its layout matches the primal's, and views of a dual
+    take the same view of its tangent: transposed, sliced and expanded primals, plain and
+    under vmap (jacfwd), where the tangent is batched and the primal is not."""
+    base = torch.randn(6, 5, dtype=D)
+    x = base.t()[1:]  # non-contiguous, offset
+    f = lambda a: (a[:, 1:3].t().reshape(-1) * a.diagonal().sum()).expand(2, -1).cumsum(1)  # noqa: E731
+    t = torch.randn_like(x)
+    torch.testing.assert_close(jvp(f, (x,), (t,))[1], tf.jvp(f, (x,), (t,))[1])
+    torch.testing.assert_close(jacfwd(f)(x), tf.jacfwd(f)(x))
+    torch.testing.assert_close(jacfwd(f, chunk_size=7)(x), tf.jacfwd(f)(x))
+    inplace = lambda a: a.clone().t().mul_(a.t()[0]).sin()  # noqa: E731
+    torch.testing.assert_close(jacfwd(inplace)(x), tf.jacfwd(inplace)(x))
+
+
+def test_jvp_inside_a_users_dual_level():
+    """functx reuses a dual level the user entered and leaves it (and the user's duals) alone."""
+    x, t = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, t)
+        out, tangent = jvp(torch.sin, (x,), (torch.ones(3, dtype=D),))
+        torch.testing.assert_close(tangent, torch.cos(x))
+        # the user's own forward AD still works after functx's jvp returned
+        torch.testing.assert_close(fwAD.unpack_dual(torch.exp(dual)).tangent, torch.exp(x) * t)
+    assert fwAD._current_level == -1
+
+
+def test_dual_level_and_stack_restored_after_an_error():
+    from functx.core.interpreter import current_stack
+
+    def boom(a):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        jvp(boom, (torch.randn(2),), (torch.randn(2),))
+    assert current_stack() == ()
+    assert fwAD._current_level == -1
+    with pytest.raises(ValueError, match="boom"):
+        vmap(lambda u: jvp(boom, (torch.ones(2),), (u,)))(torch.randn(3, 2))
+    assert current_stack() == ()
+    assert fwAD._current_level == -1
+
+
+def test_jvp_of_integer_primal_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="floating-point"):
+        jvp(lambda a: a * 2, (torch.arange(3),), (torch.arange(3),))

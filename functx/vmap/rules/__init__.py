@@ -1,6 +1,7 @@
 """Batching rules, one module per op family. Importing this package fills `VMAP_RULES`."""
 
 from . import (  # noqa: F401
+    autograd_meta,
     data_dependent,
     factory,
     indexing,
