@@ -5,8 +5,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from ..core.level_tensor import LevelTensor
-from .grad_level import GradTensor
+from .grad_level import unwrap_level  # noqa: F401  (re-exported)
 
 
 def check_argnums(argnums, num_args: int, api: str):
@@ -49,8 +48,8 @@ def replace_argnums(args, argnums, new):
     return tuple(args)
 
 
-def make_differentiable(tree, interp, api: str):
-    """Wrap every leaf of `tree` as a GradTensor of `interp` that requires grad."""
+def make_differentiable(tree, level, api: str):
+    """Every leaf of `tree` as an input `level` differentiates with respect to."""
 
     def leaf(x):
         if not isinstance(x, torch.Tensor):
@@ -60,18 +59,7 @@ def make_differentiable(tree, interp, api: str):
                 f"{api}: only floating-point or complex tensors can be differentiated, got a "
                 f"Tensor with dtype {x.dtype}. Convert it (x.float()) or leave it out of argnums."
             )
-        return GradTensor(x, interp, requires_grad=True)
-
-    return optree.tree_map(leaf, tree)
-
-
-def unwrap_level(tree, interp):
-    """Replace `interp`'s GradTensors in a pytree by their values (what leaves the level)."""
-
-    def leaf(x):
-        while isinstance(x, LevelTensor) and (x._interp is interp or not x._interp.alive):
-            x = x._interp.unwrap_dead(x) if x._interp is not interp else x._value
-        return x
+        return level.leaf(x)
 
     return optree.tree_map(leaf, tree)
 

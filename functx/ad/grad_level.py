@@ -15,6 +15,7 @@ Two traps, both handled in `process`:
 
 from __future__ import annotations
 
+import optree
 import torch
 
 from ..core.interpreter import Interpreter
@@ -166,3 +167,29 @@ class GradInterpreter(Interpreter):
 
     def wrap(self, value, requires_grad=False):
         return GradTensor(value, self, requires_grad)
+
+    # -- the level's side of grad/vjp (the same three as PlainGradLevel's) ---------------
+    # Results leave as values one level down, where any graph they have belongs to the
+    # levels below: gradients are always built with create_graph=True at this level.
+    reaches_outside = True
+
+    def leaf(self, x):
+        return GradTensor(x, self, requires_grad=True)
+
+    def seal(self, outputs, leaves):
+        pass
+
+    def export(self, tree):
+        return unwrap_level(tree, self)
+
+
+def unwrap_level(tree, interp):
+    """Replace `interp`'s tensors in a pytree by their values (what leaves the level), and
+    strip wrappers of finished levels."""
+
+    def leaf(x):
+        while isinstance(x, LevelTensor) and (x._interp is interp or not x._interp.alive):
+            x = x._interp.unwrap_dead(x) if x._interp is not interp else x._value
+        return x
+
+    return optree.tree_map(leaf, tree)

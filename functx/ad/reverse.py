@@ -7,7 +7,7 @@ import functools
 import optree
 import torch
 
-from ..core.interpreter import interpreting
+from ..core.interpreter import interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import (
     autograd_grad,
@@ -19,6 +19,12 @@ from .arguments import (
     unwrap_level,
 )
 from .grad_level import GradInterpreter
+from .plain_level import PlainGradLevel, is_differentiated
+
+
+def _new_grad_level():
+    """The outermost grad level runs on plain autograd (plain_level.py); any other wraps."""
+    return PlainGradLevel() if top_interpreter() is None else GradInterpreter()
 
 
 def _split_aux(output, has_aux: bool, api: str):
@@ -33,14 +39,14 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
     returns cotangents shaped like the differentiated arguments."""
-    interp = GradInterpreter()
-    with interpreting(interp), torch.enable_grad():
+    level = _new_grad_level()
+    with interpreting(level), torch.enable_grad():
         if argnums is None:
-            diff = make_differentiable(args, interp, api)
+            diff = make_differentiable(args, level, api)
             call_args = diff
         else:
             argnums = check_argnums(argnums, len(args), api)
-            diff = make_differentiable(select_argnums(args, argnums), interp, api)
+            diff = make_differentiable(select_argnums(args, argnums), level, api)
             call_args = replace_argnums(args, argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
         flat_out, out_spec = optree.tree_flatten(output)
@@ -50,13 +56,18 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
             if not isinstance(out, torch.Tensor):
                 raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
         flat_diff, diff_spec = optree.tree_flatten(diff)
-        result = unwrap_level(output, interp)
-        aux = unwrap_level(aux, interp)
+        level.seal(flat_out, flat_diff)
+        result = level.export(output)
+        aux = level.export(aux)
 
     def vjp_fn(cotangents, retain_graph=True, create_graph=None):
-        if create_graph is None:
-            create_graph = torch.is_grad_enabled()
         flat_cot, cot_spec = optree.tree_flatten(cotangents)
+        if create_graph is None:
+            # torch.func's default is the grad mode; a plain level also needs something to
+            # differentiate the result: the outside graph or a differentiated cotangent.
+            create_graph = torch.is_grad_enabled() and (
+                level.reaches_outside or any(is_differentiated(c) for c in flat_cot)
+            )
         if cot_spec != out_spec:
             raise RuntimeError(
                 f"Expected pytree structure of cotangents to be the same as pytree structure of "
@@ -71,7 +82,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
                 )
         with torch.enable_grad() if create_graph else torch.no_grad():
             grads = autograd_grad(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
-        return optree.tree_unflatten(diff_spec, [unwrap_level(g, interp) for g in grads])
+        return optree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
 
     # Which outputs do not depend on the differentiated inputs (jvp's strict mode asks).
     vjp_fn.independent_outputs = [not out.requires_grad for out in flat_out]
@@ -112,10 +123,10 @@ def grad_and_value(func, argnums=0, has_aux=False):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        interp = GradInterpreter()
-        with interpreting(interp), torch.enable_grad():
+        level = _new_grad_level()
+        with interpreting(level), torch.enable_grad():
             checked = check_argnums(argnums, len(args), api)
-            diff = make_differentiable(select_argnums(args, checked), interp, api)
+            diff = make_differentiable(select_argnums(args, checked), level, api)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
             if not isinstance(output, torch.Tensor):
                 raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")
@@ -125,11 +136,12 @@ def grad_and_value(func, argnums=0, has_aux=False):
                     f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
                 )
             flat_diff, diff_spec = optree.tree_flatten(diff)
-            grads = autograd_grad([output], flat_diff, create_graph=True)
-            gradient = unwrap_level(optree.tree_unflatten(diff_spec, list(grads)), interp)
-            value = unwrap_level(output, interp)
+            level.seal([output], flat_diff)
+            grads = autograd_grad([output], flat_diff, create_graph=level.reaches_outside)
+            gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
+            value = level.export(output)
             if has_aux:
-                return gradient, (value, unwrap_level(aux, interp))
+                return gradient, (value, level.export(aux))
             return gradient, value
 
     return wrapper
