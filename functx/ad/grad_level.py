@@ -68,6 +68,21 @@ _AT_THIS_LEVEL = {
 }
 
 
+def _lands_in_vmap(values) -> bool:
+    """Whether an op on `values` goes to a vmap level's rule and to nothing that records
+    autograd on its own wrappers: some value is a BatchedTensor, none requires grad at its
+    wrapper level, and no other level's tensor is among them."""
+    batched = False
+    for v in values:
+        if isinstance(v, LevelTensor):
+            if v._interp.kind != "vmap" or v.requires_grad:
+                return False
+            batched = True
+        elif type(v) is list or type(v) is tuple:
+            return False
+    return batched
+
+
 class GradTensor(LevelTensor):
     """A tensor inside `functx.grad` / `functx.vjp`: the value one level down, recorded by
     torch autograd at this level."""
@@ -125,12 +140,22 @@ class GradInterpreter(Interpreter):
             # `resolve_conj()` never reached the value: resolve it here.
             values[0] = values[0].resolve_conj()
         kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
-        with _restore_autograd():
+        if _lands_in_vmap(values):
+            # A vmap rule restores autograd for the physical values itself; restoring it
+            # here too would also record the op on the BatchedTensor wrappers: a second
+            # graph nobody differentiates (and its saved-tensor detaches).
             if self.prev_grad_mode:
                 out = op(*values, **kw_values)
             else:
                 with torch.no_grad():
                     out = op(*values, **kw_values)
+        else:
+            with _restore_autograd():
+                if self.prev_grad_mode:
+                    out = op(*values, **kw_values)
+                else:
+                    with torch.no_grad():
+                        out = op(*values, **kw_values)
         if type(out) is torch.Tensor and mutated_argument(op) is None:  # the common case
             return GradTensor(out, self)
         return self._wrap_result(op, args, out)
