@@ -70,6 +70,11 @@ class VmapInterpreter(Interpreter):
     def wrap(self, value):
         return BatchedTensor(value, self)
 
+    def apply_function(self, function, args, kwargs):
+        from .custom_function import apply_at_vmap_level
+
+        return apply_at_vmap_level(self, function, args, kwargs)
+
     def wrap_all(self, out):
         """Wrap every tensor in an op result (tensor, tuple/list of tensors, or other)."""
         if isinstance(out, torch.Tensor):
