@@ -5,7 +5,7 @@ keeps it working.
 """
 
 from .core import PerformanceWarning, set_vmap_fallback, vmap_fallback
-from . import nn
+from . import library, nn
 from .nn import (
     combine_state_for_ensemble,
     functional_call,
@@ -21,4 +21,4 @@ from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, v
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]

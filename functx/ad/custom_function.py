@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
 from ..core.custom_function import apply_original, is_new_style
 
@@ -44,7 +45,10 @@ def single_level_function(function):
     def forward(*args):
         level = _pending.level
         values = tuple(a._value if getattr(a, "_interp", None) is level else a for a in args)
-        with torch.set_grad_enabled(level.prev_grad_mode):
+        # torch runs a Function's forward with grad and forward grad off; one level down
+        # they are what they were outside this level (lower levels record, and a lower
+        # jvp level must see the Function to call its jvp).
+        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True):
             outputs = function.apply(*values)  # one level down (maybe another transform)
         return _wrap_outputs(level, outputs, args, values)
 

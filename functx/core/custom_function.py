@@ -41,6 +41,7 @@ from .level_tensor import LevelTensor, unwrap_dead
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object
 _original_apply_function = _ORIGINAL_APPLY.__func__
+_signatures: dict = {}
 
 
 def apply_original(function, *args, **kwargs):
@@ -56,8 +57,11 @@ def is_new_style(function) -> bool:
 def _apply(cls, *args, **kwargs):
     if not _interpreter._stack.interpreters:  # no transform running on this thread
         return _original_apply_function(cls, *args, **kwargs)
-    if kwargs and is_new_style(cls):  # torch binds them to forward's positions too
-        bound = inspect.signature(cls.forward).bind(*args, **kwargs)
+    if is_new_style(cls):  # torch binds keywords and defaults to forward's positions too
+        signature = _signatures.get(cls)
+        if signature is None:
+            signature = _signatures[cls] = inspect.signature(cls.forward)
+        bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         args, kwargs = bound.args, bound.kwargs
     args = tuple(unwrap_dead(a) if isinstance(a, LevelTensor) else a for a in args)

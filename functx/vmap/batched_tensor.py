@@ -106,7 +106,21 @@ def _values_need_autograd(args) -> bool:
 def _fallback_factory(op):
     from .fallback import loop_fallback
 
-    return loop_fallback(op)
+    loop = loop_fallback(op)
+    if op.namespace in ("aten", "prims"):
+        return loop
+    from .rules.custom_ops import rule_for
+
+    def loop_until_a_rule_is_registered(interp, *args, **kwargs):
+        # A user's operator may get its batching rule after its first vmap (the handler
+        # is cached): look again on every call.
+        rule = rule_for(op)
+        if rule is None:
+            return loop(interp, *args, **kwargs)
+        VMAP_RULES.set(op, rule)
+        return rule(interp, *args, **kwargs)
+
+    return loop_until_a_rule_is_registered
 
 
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory)

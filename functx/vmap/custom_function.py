@@ -65,16 +65,20 @@ def apply_at_vmap_level(level, function, args, kwargs):
     in_dims = tuple(0 if level.is_batched(a) else None for a in args)
     values = tuple(level.unwrap(a) for a in args)
     result = function.vmap(VmapInfo(level.batch_size, level.randomness), in_dims, *values, **kwargs)
-    base = "Expected the vmap staticmethod to have two returns, an output and out_dims with pytree structure compatible with the output. "
+    return wrap_user_outputs(level, result, args, values)
+
+
+def wrap_user_outputs(level, result, args, values):
+    """Batched results of a user's vmap rule: `result` is its `(outputs, out_dims)`."""
+    base = (
+        "Expected the vmap staticmethod to have two returns, an output and out_dims with "
+        "pytree structure compatible with the output. "
+    )
     if not isinstance(result, tuple):
         raise RuntimeError(base + f"Got a {type(result)} instead")
     if len(result) != 2:
         raise RuntimeError(base + f"Got {len(result)} returns instead")
     outputs, out_dims = result
-    return _wrap_outputs(level, outputs, out_dims, args, values)
-
-
-def _wrap_outputs(level, outputs, out_dims, args, values):
     flat, spec = optree.tree_flatten(outputs)
     if isinstance(out_dims, int) or out_dims is None:
         flat_dims = [out_dims] * len(flat)
@@ -268,4 +272,4 @@ def _apply_generated_rule(level, function, args, kwargs):
         outputs = generated.apply(*values, **kwargs)  # one level down (maybe another transform)
     finally:
         _pending.spec = previous
-    return _wrap_outputs(level, outputs, 0, args, values)
+    return wrap_user_outputs(level, (outputs, 0), args, values)

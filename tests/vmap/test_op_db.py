@@ -57,10 +57,6 @@ NOT_VECTORIZED = {
     "_segment_reduce.offsets": "aten::segment_reduce: no batching rule yet (rarely used)",
     "nn.functional.embedding_bag": "indexing: aten::_embedding_bag_forward_only has no rule yet",
     "grid_sampler_3d": "nn_pooling: aten::grid_sampler_3d has no rule yet",
-    "nn.functional.linear_cross_entropy.chunked": "nn_losses: custom op torch_nn::_linear_cross_entropy_batch_chunked has no rule",
-    "nn.functional.linear_cross_entropy.chunked_none": (
-        "nn_losses: custom op torch_nn::_linear_cross_entropy_batch_chunked_no_reduction has no rule"
-    ),
 }
 
 # Ops that must raise vmap's clear data-dependent RuntimeError for some samples (Python

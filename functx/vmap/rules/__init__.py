@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401
     autograd_meta,
+    custom_ops,
     data_dependent,
     factory,
     indexing,

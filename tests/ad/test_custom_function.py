@@ -1,0 +1,168 @@
+"""torch.autograd.Function under grad, vjp, jvp, jacrev, jacfwd, hessian and their
+compositions with vmap (functx/ad/custom_function.py, functx/vmap/custom_function.py).
+
+References: the closed-form custom derivatives, torch.autograd on the same Function with
+no transform (loops over samples), and torch.func (which supports these Functions too).
+"""
+
+import pytest
+import torch
+import torch.func as tf
+
+import functx
+from tests.ad.test_compositions import CHAINS, W1, B1, W2, transforms
+from tests.autograd_functions import (
+    Cube,
+    NumpyTanh,
+    OldStyleSTE,
+    OnceDifferentiableExp,
+    ScaleByMax,
+    SignSTE,
+    SortWithIndices,
+)
+
+D = torch.float64
+
+
+def x_and_w(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, dtype=D, generator=g) * 1.5, torch.randn(n, dtype=D, generator=g)
+
+
+def custom_mlp(x):
+    """Every new-style Function of the zoo in one function R^4 -> R^3."""
+    h = NumpyTanh.apply(W1 @ x + B1) * Cube.apply(W1 @ x, 0.5)
+    return W2 @ h + SignSTE.apply(x).sum() * x[:3]
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=["-".join(c) for c in CHAINS])
+def test_compositions_to_depth_3_match_torch_func(chain):
+    f_functx = f_oracle = custom_mlp
+    ours, theirs = transforms(functx), transforms(tf)
+    for name in reversed(chain):
+        f_functx, f_oracle = ours[name](f_functx), theirs[name](f_oracle)
+    x = torch.randn(4, dtype=D, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(f_functx(x), f_oracle(x))
+
+
+def test_straight_through_estimator_follows_the_custom_rule_at_every_level():
+    """The true derivative of sign is 0; every transform must use the custom one."""
+    x, w = x_and_w()
+    xs = torch.stack([x, -0.5 * x, x + 3])
+    custom = (x.abs() <= 2).to(D)
+    loss = lambda v: (SignSTE.apply(v) * w).sum()  # noqa: E731
+    torch.testing.assert_close(functx.grad(loss)(x), w * custom)
+    torch.testing.assert_close(functx.vjp(SignSTE.apply, x)[1](w)[0], w * custom)
+    torch.testing.assert_close(functx.jvp(SignSTE.apply, (x,), (w,))[1], w * custom)
+    torch.testing.assert_close(functx.jacrev(SignSTE.apply)(x), torch.diag(custom))
+    torch.testing.assert_close(functx.jacfwd(SignSTE.apply)(x), torch.diag(custom))
+    per_sample = torch.stack([w * (s.abs() <= 2).to(D) for s in xs])
+    torch.testing.assert_close(functx.vmap(functx.grad(loss))(xs), per_sample)  # vmap(grad)
+    batched_loss = lambda v: (functx.vmap(SignSTE.apply)(v) * w).sum()  # noqa: E731
+    torch.testing.assert_close(functx.grad(batched_loss)(xs), per_sample)  # grad(vmap)
+    # d/dx of x * STE(x): sign(x) + x * custom; then the derivative of that w.r.t. x again
+    first = functx.grad(lambda v: (v * SignSTE.apply(v)).sum())
+    torch.testing.assert_close(first(x), torch.sign(x) + x * custom)
+    second = functx.grad(lambda v: first(v).sum())(x)
+    torch.testing.assert_close(second, 2 * custom)  # d/dx sign(x) by the custom rule, twice
+    torch.testing.assert_close(second, tf.grad(lambda v: tf.grad(lambda u: (u * SignSTE.apply(u)).sum())(v).sum())(x))
+
+
+def test_hessian_jacobians_and_plain_autograd_on_a_true_derivative():
+    x, _ = x_and_w(4)
+    f = lambda v: Cube.apply(v, 2.0)  # noqa: E731
+    torch.testing.assert_close(functx.jacrev(f)(x), torch.diag(6 * x**2))
+    torch.testing.assert_close(functx.jacfwd(f)(x), torch.diag(6 * x**2))
+    torch.testing.assert_close(functx.hessian(lambda v: f(v).sum())(x), torch.diag(12 * x))
+    torch.testing.assert_close(functx.vmap(functx.hessian(lambda v: f(v).sum()))(x[None].repeat(2, 1)), torch.diag(12 * x).repeat(2, 1, 1))
+    # the same Function with no transform is plain torch
+    leaf = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(f(leaf).sum(), leaf)
+    torch.testing.assert_close(functx.grad(lambda v: f(v).sum())(x), expected)
+
+
+def test_forward_that_leaves_torch_is_never_traced():
+    """numpy in forward: every transform must run the forward on plain tensors only."""
+    x = torch.randn(3, 4, dtype=D)
+    y = torch.tanh(x)
+    loss = lambda v: NumpyTanh.apply(v).sum()  # noqa: E731
+    torch.testing.assert_close(functx.grad(loss)(x), 1 - y**2)
+    torch.testing.assert_close(functx.vmap(functx.grad(loss))(x), 1 - y**2)
+    torch.testing.assert_close(functx.grad(lambda v: functx.vmap(NumpyTanh.apply)(v).sum())(x), 1 - y**2)
+    torch.testing.assert_close(functx.jvp(NumpyTanh.apply, (x,), (torch.ones_like(x),))[1], 1 - y**2)
+    torch.testing.assert_close(functx.jacfwd(NumpyTanh.apply)(x[0]), torch.diag(1 - y[0] ** 2))
+    torch.testing.assert_close(functx.jacrev(NumpyTanh.apply)(x[0]), torch.diag(1 - y[0] ** 2))
+    torch.testing.assert_close(functx.hessian(loss)(x[0]), torch.diag(-2 * y[0] * (1 - y[0] ** 2)))
+    torch.testing.assert_close(functx.vmap(functx.jacrev(NumpyTanh.apply))(x), torch.diag_embed(1 - y**2))
+
+
+def test_item_and_tolist_in_forward():
+    x = torch.randn(3, 4, dtype=D)
+    per_sample = torch.stack([s / s.abs().max() for s in x])
+    ScaleByMax.needs_input_grad_seen.clear()
+    torch.testing.assert_close(functx.vmap(ScaleByMax.apply)(x), per_sample)
+    g = functx.grad(lambda v: (ScaleByMax.apply(v) * torch.arange(4.0, dtype=D)).sum())
+    torch.testing.assert_close(g(x[0]), torch.arange(4.0, dtype=D) / x[0].abs().max())
+    torch.testing.assert_close(functx.vmap(g)(x), torch.arange(4.0, dtype=D) / x.abs().amax(1, keepdim=True))
+    assert ScaleByMax.needs_input_grad_seen[-1] == (True,)
+
+
+def test_multiple_outputs_non_differentiable_output_and_none_gradients():
+    x = torch.randn(3, 5, dtype=D)
+    w = torch.randn(5, dtype=D)
+
+    def loss(v):
+        values, indices = SortWithIndices.apply(v, True)
+        assert not indices.is_floating_point()
+        return (values * w).sum()
+
+    expected = torch.stack([torch.zeros(5, dtype=D).scatter(0, s.sort(descending=True)[1], w) for s in x])
+    torch.testing.assert_close(functx.vmap(functx.grad(loss))(x), expected)
+    torch.testing.assert_close(functx.grad(lambda v: functx.vmap(loss)(v).sum())(x), expected)
+    torch.testing.assert_close(functx.grad(loss)(x[0]), expected[0])
+    # an output not used at all: its gradient is None (set_materialize_grads(False))
+    unused = functx.grad(lambda v: SortWithIndices.apply(v, False)[1].float().sum() * 0 + v.sum())(x[0])
+    torch.testing.assert_close(unused, torch.ones(5, dtype=D))
+
+
+def test_once_differentiable_backward():
+    x = torch.randn(4, dtype=D)
+    torch.testing.assert_close(functx.grad(lambda v: OnceDifferentiableExp.apply(v).sum())(x), x.exp())
+    torch.testing.assert_close(functx.vmap(functx.grad(lambda v: OnceDifferentiableExp.apply(v).sum()))(x[None]), x.exp()[None])
+    # Its backward runs under no_grad, so a second derivative sees a constant: zeros, as
+    # with torch.func (plain torch.autograd.grad raises "does not require grad" instead).
+    second = lambda lib: lib.grad(lambda v: lib.grad(lambda u: OnceDifferentiableExp.apply(u).sum())(v).sum())(x)  # noqa: E731
+    torch.testing.assert_close(second(functx), second(tf))
+
+
+def test_jvp_without_a_jvp_staticmethod_is_a_clear_error():
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(RuntimeError, match="OnceDifferentiableExp has no jvp staticmethod"):
+        functx.jvp(OnceDifferentiableExp.apply, (x,), (x,))
+    with pytest.raises(RuntimeError, match="no jvp staticmethod"):
+        functx.jacfwd(OnceDifferentiableExp.apply)(x)
+
+
+def test_old_style_function_under_grad_and_vjp():
+    x, w = x_and_w()
+    custom = (x.abs() <= 2).to(D)
+    loss = lambda v: (OldStyleSTE.apply(v) * w).sum()  # noqa: E731
+    torch.testing.assert_close(functx.grad(loss)(x), w * custom)
+    torch.testing.assert_close(functx.vjp(OldStyleSTE.apply, x)[1](w)[0], w * custom)
+    xs = torch.stack([x, x * 0.3])
+    expected = torch.stack([w * (s.abs() <= 2).to(D) for s in xs])
+    torch.testing.assert_close(functx.vmap(functx.grad(loss))(xs), expected)
+    with pytest.warns(functx.PerformanceWarning, match="old-style"):
+        got = functx.grad(lambda v: (functx.vmap(OldStyleSTE.apply)(v) * w).sum())(xs)
+    torch.testing.assert_close(got, expected)
+
+
+def test_in_place_function_marked_dirty():
+    from tests.autograd_functions import AddOneInPlace
+
+    x = torch.randn(2, 3, dtype=D)
+    f = lambda v: AddOneInPlace.apply(v * 1.0) * v  # noqa: E731
+    torch.testing.assert_close(functx.vmap(f)(x), (x + 1) * x)
+    torch.testing.assert_close(functx.grad(lambda v: f(v).sum())(x), 2 * x + (x + 1))  # custom: 2
+    torch.testing.assert_close(functx.vmap(functx.grad(lambda v: f(v).sum()))(x), 2 * x + (x + 1))
+    torch.testing.assert_close(functx.grad(lambda v: functx.vmap(f)(v).sum())(x), 2 * x + (x + 1))
