@@ -268,3 +268,23 @@ class AddOneInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * 2  # deliberately not the true derivative
+
+
+class WithPythonOutput(torch.autograd.Function):
+    """Returns a Python number next to the tensor; custom derivative 5 (true one 2)."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2, 7
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * 5
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return WithPythonOutput.apply(x), (in_dims[0], None)

@@ -1,6 +1,7 @@
 """Automatic differentiation: reverse mode (grad levels over torch autograd) and forward
 mode, plus the Jacobian/Hessian transforms built from them."""
 
+from . import custom_function  # noqa: F401  (autograd.Function at grad and jvp levels)
 from .forward import hessian, jacfwd, jvp, linearize
 from .reverse import grad, grad_and_value, jacrev, vjp
 

@@ -21,17 +21,10 @@ import threading
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
-from ..core.custom_function import apply_original, is_new_style
+from ..core.custom_function import apply_original, is_new_style, register_level_rule, user_backward
 
 _pending = threading.local()  # the level whose single-level Function is being applied
 _single_level: dict = {}
-
-
-def _user_backward(function):
-    """The user's backward (`backward`, or its alias `vjp` where that is overridden)."""
-    if function.vjp is not torch.autograd.Function.vjp:
-        return function.vjp
-    return function.backward
 
 
 def single_level_function(function):
@@ -56,7 +49,7 @@ def single_level_function(function):
         return function.setup_context(ctx, inputs, output)
 
     def backward(ctx, *grads):
-        return _user_backward(function)(ctx, *grads)
+        return user_backward(function)(ctx, *grads)
 
     def jvp(ctx, *tangents):
         if function.jvp is torch.autograd.Function.jvp:
@@ -104,3 +97,7 @@ def apply_at_grad_level(level, function, args, kwargs):
         return apply_original(generated, *args, **kwargs)
     finally:
         _pending.level = previous
+
+
+register_level_rule("grad", apply_at_grad_level)
+register_level_rule("jvp", apply_at_grad_level)

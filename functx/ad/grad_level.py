@@ -193,11 +193,6 @@ class GradInterpreter(Interpreter):
     def wrap(self, value, requires_grad=False):
         return GradTensor(value, self, requires_grad)
 
-    def apply_function(self, function, args, kwargs):
-        from .custom_function import apply_at_grad_level
-
-        return apply_at_grad_level(self, function, args, kwargs)
-
     # -- the level's side of grad/vjp (the same three as PlainGradLevel's) ---------------
     # Results leave as values one level down, where any graph they have belongs to the
     # levels below: gradients are always built with create_graph=True at this level.

@@ -3,7 +3,8 @@
 An autograd.Function is not an ATen op: its `apply` never reaches `__torch_dispatch__`,
 and a TorchFunctionMode does not see it either. So importing functx replaces
 `Function.apply` by `_apply`, which hands the call to the highest level among the
-arguments (`Interpreter.apply_function`); that level transforms the Function once and
+arguments (the rule its transform registered with `register_level_rule`); that level
+transforms the Function once and
 applies the result one level down, where the next level does the same, until plain torch
 runs it. It has to be in place for good, not only while a transform runs: code binds
 `F.apply` early (`vmap(F.apply)`, `op = F.apply` at import time). On a thread with no
@@ -49,6 +50,21 @@ def apply_original(function, *args, **kwargs):
     return _original_apply_function(function, *args, **kwargs)
 
 
+_LEVEL_RULES: dict = {}  # Interpreter.kind -> rule(level, function, args, kwargs)
+
+
+def register_level_rule(kind: str, rule) -> None:
+    """How levels of `kind` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
+    _LEVEL_RULES[kind] = rule
+
+
+def user_backward(function):
+    """The user's backward: `backward`, or its alias `vjp` where that is the one overridden."""
+    if function.vjp is not torch.autograd.Function.vjp:
+        return function.vjp
+    return function.backward
+
+
 def is_new_style(function) -> bool:
     """torch 2.x style: `forward` without ctx plus a `setup_context` staticmethod."""
     return _is_setup_context_defined(function.setup_context)
@@ -71,7 +87,10 @@ def _apply(cls, *args, **kwargs):
             top = a._interp
     if top is None:
         return _original_apply_function(cls, *args, **kwargs)
-    return top.apply_function(cls, args, kwargs)
+    rule = _LEVEL_RULES.get(top.kind)
+    if rule is None:
+        raise NotImplementedError(f"functx: {top.kind} levels do not support torch.autograd.Function")
+    return rule(top, cls, args, kwargs)
 
 
 torch.autograd.Function.apply = classmethod(_apply)

@@ -43,11 +43,6 @@ class Interpreter:
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def apply_function(self, function, args, kwargs):
-        """`function.apply(*args, **kwargs)` (a torch.autograd.Function) where this is the
-        highest level among the arguments (see core/custom_function.py)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support torch.autograd.Function")
-
     # -- after the transform returned (see level_tensor._dispatch_with_dead_levels) --
     def unwrap_dead(self, x):
         """What a wrapper of this (finished) level stands for one level down."""

@@ -1,6 +1,6 @@
 """vmap: the batching transform. Importing it registers every batching rule."""
 
-from . import rules  # noqa: F401  (fills VMAP_RULES)
+from . import custom_function, rules  # noqa: F401  (autograd.Function at vmap levels; fills VMAP_RULES)
 from .api import vmap
 from .batched_tensor import VMAP_RULES, BatchedTensor, VmapInterpreter
 

