@@ -219,3 +219,24 @@ def test_dropout_inside_grad_inside_vmap_uses_the_batching_rules():
     with pytest.raises(RuntimeError, match="randomness"):
         vmap(functx.grad(f))(x)
     torch.testing.assert_close(vmap(functx.grad(lambda a: (F.dropout(a, 0.0) * a).sum()))(x), 2 * x)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda v: v[1].sin().sum(),
+        lambda v: v[:, 1:4:2].exp().sum(),
+        lambda v: v.select(-1, 2).pow(2).sum(),
+        lambda v: v[-2:, -3:].cos().sum(),
+    ],
+    ids=["select", "strided_slice", "select_negative_dim", "two_slices"],
+)
+def test_backward_of_views_is_vectorized(f):
+    """select_backward / slice_backward have rules (per-sample gradients through indexing)."""
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    with functx.vmap_fallback("error"):
+        got = vmap(functx.grad(f))(x)
+        unbatched_input = vmap(functx.grad(lambda v, w: f(v * w)), in_dims=(None, 0))(x[0], x[:, 0, 0])
+    torch.testing.assert_close(got, torch.stack([torch.func.grad(f)(s) for s in x]))
+    expected = torch.stack([torch.func.grad(lambda v: f(v * w))(x[0]) for w in x[:, 0, 0]])
+    torch.testing.assert_close(unbatched_input, expected)
