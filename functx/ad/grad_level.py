@@ -156,7 +156,7 @@ class GradInterpreter(Interpreter):
                 else:
                     with torch.no_grad():
                         out = op(*values, **kw_values)
-        if type(out) is torch.Tensor and mutated_argument(op) is None:  # the common case
+        if isinstance(out, torch.Tensor) and mutated_argument(op) is None:  # the common case
             return GradTensor(out, self)
         return self._wrap_result(op, args, out)
 
