@@ -22,9 +22,18 @@ from .grad_level import GradInterpreter
 from .plain_level import PlainGradLevel, is_differentiated
 
 
-def _new_grad_level():
-    """The outermost grad level runs on plain autograd (plain_level.py); any other wraps."""
-    return PlainGradLevel() if top_interpreter() is None else GradInterpreter()
+def _new_grad_level(differentiated):
+    """The outermost grad level runs on plain autograd (plain_level.py); any other wraps.
+
+    Complex inputs keep the wrapped level: a plain complex tensor that requires grad can
+    reach an inner level's op with a lazy conj bit, and torch materializes that bit below
+    autograd, cutting the plain graph (vjp of vjp of `torch.polar` w.r.t. the cotangent)."""
+    if top_interpreter() is not None:
+        return GradInterpreter()
+    for leaf in optree.tree_leaves(differentiated):
+        if isinstance(leaf, torch.Tensor) and leaf.is_complex():
+            return GradInterpreter()
+    return PlainGradLevel()
 
 
 def _split_aux(output, has_aux: bool, api: str):
@@ -39,7 +48,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
     returns cotangents shaped like the differentiated arguments."""
-    level = _new_grad_level()
+    level = _new_grad_level(args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api)))
     with interpreting(level), torch.enable_grad():
         if argnums is None:
             diff = make_differentiable(args, level, api)
@@ -123,9 +132,9 @@ def grad_and_value(func, argnums=0, has_aux=False):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        level = _new_grad_level()
+        checked = check_argnums(argnums, len(args), api)
+        level = _new_grad_level(select_argnums(args, checked))
         with interpreting(level), torch.enable_grad():
-            checked = check_argnums(argnums, len(args), api)
             diff = make_differentiable(select_argnums(args, checked), level, api)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
             if not isinstance(output, torch.Tensor):

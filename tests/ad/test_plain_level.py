@@ -122,3 +122,25 @@ def test_stack_restored_after_an_error_in_the_plain_level():
     with pytest.raises(ValueError):
         functx.grad(boom)(torch.randn(2))
     assert current_stack() == ()
+
+
+def test_complex_inputs_keep_a_wrapped_level():
+    """vjp of vjp of torch.polar w.r.t. a complex cotangent: a plain complex leaf would reach
+    the inner level with a lazy conj bit that torch materializes below autograd."""
+    a, u = torch.tensor(1.3, dtype=D), torch.tensor(0.7 + 0.2j, dtype=torch.complex128)
+    h = lambda a: torch.polar(a, a * 0.3)  # noqa: E731
+    ours = functx.vjp(lambda u: functx.vjp(h, a)[1](u)[0], u)[1](torch.tensor(1.0, dtype=D))
+    theirs = tf.vjp(lambda u: tf.vjp(h, a)[1](u)[0], u)[1](torch.tensor(1.0, dtype=D))
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_vmap_over_cotangents_of_layer_norm():
+    """vmap(vjp_fn) with an unbatched input and batched cotangents (the layer-norm backward
+    rule must not read expanded mean/rstd as dense rows)."""
+    x, w, b = torch.randn(2, 2, 3, dtype=D), torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    f = lambda x, w, b: torch.nn.functional.layer_norm(x, [3], w, b)  # noqa: E731
+    cotangents = torch.randn(4, 2, 2, 3, dtype=D)
+    _, vjp_fn = functx.vjp(f, x, w, b)
+    _, tf_vjp_fn = tf.vjp(f, x, w, b)
+    for ours, theirs in zip(functx.vmap(vjp_fn)(cotangents), tf.vmap(tf_vjp_fn)(cotangents)):
+        torch.testing.assert_close(ours, theirs)

@@ -86,8 +86,10 @@ def _native_layer_norm_backward(interp, grad_out, input, normalized_shape, mean,
         return _layer_norm_backward_decomposition(
             grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
         )
-    go, x = materialize(interp, grad_out), materialize(interp, input)
-    mu, r = materialize(interp, mean), materialize(interp, rstd)
+    # The kernel reads mean/rstd (and the input) as dense rows: expanded unbatched values
+    # (stride 0 along the batch) must be made real first.
+    go, x = materialize(interp, grad_out), materialize(interp, input).contiguous()
+    mu, r = materialize(interp, mean).contiguous(), materialize(interp, rstd).contiguous()
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
         grad_input = interp.wrap(
