@@ -64,6 +64,15 @@ def make_differentiable(tree, level, api: str):
     return optree.tree_map(leaf, tree)
 
 
+def check_outputs(flat_out, output, api: str) -> None:
+    """The differentiated function returned at least one tensor, and only tensors."""
+    if not flat_out:
+        raise RuntimeError(f"{api}: Expected f to be a function that has non-empty output (got output = {output})")
+    for out in flat_out:
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
+
+
 def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, retain_graph=None):
     """`torch.autograd.grad` with torch.func's conventions: outputs that do not require grad
     contribute nothing, inputs that do not reach an output get zeros."""

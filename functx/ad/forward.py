@@ -21,7 +21,7 @@ import torch.autograd.forward_ad as fwAD
 from ..core.errors import PerformanceWarning
 from ..core.interpreter import interpreting
 from ..vmap import vmap
-from .arguments import check_argnums, identity_rows, replace_argnums, select_argnums, unwrap_level
+from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums, unwrap_level
 from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
 from .reverse import _split_aux, _vjp_with_argnums, grad
 
@@ -73,14 +73,6 @@ def _check_primals_tangents(primals, tangents, api):
 _NO_FORWARD_FORMULA = "Trying to use forward AD with"
 
 
-def _check_outputs(flat_out, output, api):
-    if not flat_out:
-        raise RuntimeError(f"{api}: Expected f to be a function that has non-empty output (got output = {output})")
-    for out in flat_out:
-        if not isinstance(out, torch.Tensor):
-            raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
-
-
 def _forward_jvp(func, primals, flat_tangents, has_aux, api):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
     output does not depend on the primals, output structure, aux)."""
@@ -95,7 +87,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api):
         duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
         output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
         flat_out, out_spec = optree.tree_flatten(output)
-        _check_outputs(flat_out, output, api)
+        check_outputs(flat_out, output, api)
         pairs = [unpack_dual(level, o) for o in flat_out]
         aux = unwrap_level(aux, level)
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux

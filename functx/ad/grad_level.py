@@ -15,6 +15,8 @@ Two traps, both handled in `process`:
 
 from __future__ import annotations
 
+import contextlib
+
 import optree
 import torch
 
@@ -24,6 +26,7 @@ from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_vi
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _view_as_real = torch.ops.aten.view_as_real.default
 _META = torch.device("meta")
+_no_context = contextlib.nullcontext()
 aten = torch.ops.aten
 
 
@@ -140,22 +143,15 @@ class GradInterpreter(Interpreter):
             # `resolve_conj()` never reached the value: resolve it here.
             values[0] = values[0].resolve_conj()
         kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if _lands_in_vmap(values):
-            # A vmap rule restores autograd for the physical values itself; restoring it
-            # here too would also record the op on the BatchedTensor wrappers: a second
-            # graph nobody differentiates (and its saved-tensor detaches).
+        # A vmap rule restores autograd for the physical values itself; restoring it here
+        # too would also record the op on the BatchedTensor wrappers: a second graph nobody
+        # differentiates (and its saved-tensor detaches).
+        with _no_context if _lands_in_vmap(values) else _restore_autograd():
             if self.prev_grad_mode:
                 out = op(*values, **kw_values)
             else:
                 with torch.no_grad():
                     out = op(*values, **kw_values)
-        else:
-            with _restore_autograd():
-                if self.prev_grad_mode:
-                    out = op(*values, **kw_values)
-                else:
-                    with torch.no_grad():
-                        out = op(*values, **kw_values)
         if isinstance(out, torch.Tensor) and mutated_argument(op) is None:  # the common case
             return GradTensor(out, self)
         return self._wrap_result(op, args, out)

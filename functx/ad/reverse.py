@@ -12,6 +12,7 @@ from ..vmap import vmap
 from .arguments import (
     autograd_grad,
     check_argnums,
+    check_outputs,
     identity_rows,
     make_differentiable,
     replace_argnums,
@@ -59,11 +60,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
             call_args = replace_argnums(args, argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
         flat_out, out_spec = optree.tree_flatten(output)
-        if not flat_out:
-            raise RuntimeError(f"{api}: Expected f to be a function that has non-empty output (got output = {output})")
-        for out in flat_out:
-            if not isinstance(out, torch.Tensor):
-                raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
+        check_outputs(flat_out, output, api)
         flat_diff, diff_spec = optree.tree_flatten(diff)
         level.seal(flat_out, flat_diff)
         result = level.export(output)

@@ -141,12 +141,25 @@ _pending = threading.local()  # the spec of the generated Function being applied
 _generated: dict = {}
 
 
-class _BatchedSaveCtx:
+class _CtxProxy:
+    """Stands for the real ctx: attributes it does not define itself go to the real one."""
+
+    def __init__(self, ctx):
+        object.__setattr__(self, "_ctx", ctx)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+class _BatchedSaveCtx(_CtxProxy):
     """The ctx a user's `setup_context` sees under vmap: saved tensors are stored physical,
-    with their batch dims; every other attribute goes to the real ctx."""
+    with their batch dims."""
 
     def __init__(self, ctx, level):
-        object.__setattr__(self, "_ctx", ctx)
+        super().__init__(ctx)
         object.__setattr__(self, "_level", level)
 
     def _physical(self, tensors):
@@ -170,25 +183,13 @@ class _BatchedSaveCtx:
     def mark_dirty(self, *tensors):
         self._ctx.mark_dirty(*self._physical(tensors)[0])
 
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
 
-    def __setattr__(self, name, value):
-        setattr(self._ctx, name, value)
-
-
-class _SavedCtx:
+class _SavedCtx(_CtxProxy):
     """The ctx a user's `backward`/`jvp` sees under vmap: per-sample saved tensors."""
 
     def __init__(self, ctx, saved):
-        object.__setattr__(self, "_ctx", ctx)
+        super().__init__(ctx)
         object.__setattr__(self, "saved_tensors", saved)
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._ctx, name, value)
 
 
 def _generated_rule_function(function):

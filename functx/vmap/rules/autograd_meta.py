@@ -1,11 +1,11 @@
 """Ops torch's autograd itself calls on tensors to manage forward gradients (tangents).
 
 A jvp level above a vmap (`jacfwd` = vmap of jvp) keeps batched values under its
-wrappers. When torch attaches a tangent to a primal it checks that the tangent's
-storage and strides can stand for the primal's (views of a dual take the same view of
-its tangent), and otherwise allocates a zero tangent laid out like the primal and copies
-into it. Per batch element, a batched tensor's storage is its physical storage split
-in `batch_size` equal parts; these rules answer and allocate on that basis.
+wrappers. When torch attaches a tangent to a primal whose layout it cannot share (the
+jvp level answers torch's layout checks itself), it allocates a zero tangent laid out
+like the primal and copies into it; under vmap that allocation is batched, and per batch
+element laid out like the primal (a batched tensor's storage is its physical storage
+split in `batch_size` equal parts).
 """
 
 import torch
@@ -17,14 +17,6 @@ aten = torch.ops.aten
 
 def _storage_numel(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
-
-
-@VMAP_RULES.register(aten._has_same_storage_numel.default)
-def _has_same_storage_numel(interp, x, other):
-    if interp.is_batched(x) and interp.is_batched(other):
-        return aten._has_same_storage_numel.default(x._value, other._value)
-    batched, plain = (x, other) if interp.is_batched(x) else (other, x)
-    return _storage_numel(batched._value) == interp.batch_size * _storage_numel(plain)
 
 
 @VMAP_RULES.register(aten._new_zeros_with_same_feature_meta.default)
