@@ -56,7 +56,7 @@ class PlainGradLevel(Interpreter):
         if x.requires_grad and self.prev_grad_mode:
             return x.view_as(x)  # stays connected to the outside graph
         leaf = x.detach().requires_grad_()
-        leaf._functx_internal_leaf = True  # not "outside" for any other plain level either
+        leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
         return leaf
 
     def seal(self, outputs, leaves) -> None:
@@ -74,15 +74,23 @@ class PlainGradLevel(Interpreter):
         raise AssertionError("the plain grad level has no tensors of its own")
 
 
+def _is_outside(leaf, own) -> bool:
+    """Whether autograd leaf `leaf` is tracked outside a level whose leaves are `own` (ids):
+    a user's tensor, or a live level's internal leaf; not the leaves of a finished level
+    (a `vjp_fn` used inside a later `grad`)."""
+    if id(leaf) in own:
+        return False
+    level = getattr(leaf, "_functx_leaf_of", None)
+    return level is None or level.alive
+
+
 def _reaches_outside(outputs, leaves) -> bool:
-    """Whether the autograd graph of `outputs` reaches a leaf other than `leaves` and the
-    internal leaves of other plain levels (a `vjp_fn` used inside a later `grad`)."""
+    """Whether the autograd graph of `outputs` reaches a leaf tracked outside (`_is_outside`)."""
     own = {id(x) for x in leaves}
     stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     for o in outputs:
-        if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and id(o) not in own:
-            if not getattr(o, "_functx_internal_leaf", False):
-                return True
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and _is_outside(o, own):
+            return True
     seen = set()
     while stack:
         node = stack.pop()
@@ -94,7 +102,7 @@ def _reaches_outside(outputs, leaves) -> bool:
                 continue
             variable = getattr(child, "variable", None)
             if variable is not None:  # AccumulateGrad: a leaf
-                if id(variable) not in own and not getattr(variable, "_functx_internal_leaf", False):
+                if _is_outside(variable, own):
                     return True
             else:
                 stack.append(child)

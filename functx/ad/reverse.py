@@ -7,7 +7,7 @@ import functools
 import optree
 import torch
 
-from ..core.interpreter import interpreting, top_interpreter
+from ..core.interpreter import current_stack, interpreting
 from ..vmap import vmap
 from .arguments import (
     autograd_grad,
@@ -20,16 +20,22 @@ from .arguments import (
     unwrap_level,
 )
 from .grad_level import GradInterpreter
+from .physical_level import PhysicalGradLevel
 from .plain_level import PlainGradLevel, is_differentiated
 
 
-def _new_grad_level(differentiated):
-    """The outermost grad level runs on plain autograd (plain_level.py); any other wraps.
+def _new_grad_level(differentiated, physical_ok=False):
+    """The outermost grad level runs on plain autograd (plain_level.py); a `grad` right
+    inside vmap over plain tensors runs on vmap's physical tensors (physical_level.py,
+    `physical_ok`); any other wraps.
 
     Complex inputs keep the wrapped level: a plain complex tensor that requires grad can
     reach an inner level's op with a lazy conj bit, and torch materializes that bit below
     autograd, cutting the plain graph (vjp of vjp of `torch.polar` w.r.t. the cotangent)."""
-    if top_interpreter() is not None:
+    stack = current_stack()
+    if stack:
+        if physical_ok and PhysicalGradLevel.applies(stack, differentiated):
+            return PhysicalGradLevel(stack[-1])
         return GradInterpreter()
     for leaf in optree.tree_leaves(differentiated):
         if isinstance(leaf, torch.Tensor) and leaf.is_complex():
@@ -130,7 +136,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         checked = check_argnums(argnums, len(args), api)
-        level = _new_grad_level(select_argnums(args, checked))
+        level = _new_grad_level(select_argnums(args, checked), physical_ok=True)
         with interpreting(level), torch.enable_grad():
             diff = make_differentiable(select_argnums(args, checked), level, api)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
@@ -143,7 +149,10 @@ def grad_and_value(func, argnums=0, has_aux=False):
                 )
             flat_diff, diff_spec = optree.tree_flatten(diff)
             level.seal([output], flat_diff)
-            grads = autograd_grad([output], flat_diff, create_graph=level.reaches_outside)
+            if type(level) is PhysicalGradLevel:
+                grads = level.gradient(output, flat_diff)
+            else:
+                grads = autograd_grad([output], flat_diff, create_graph=level.reaches_outside)
             gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
             value = level.export(output)
             if has_aux:

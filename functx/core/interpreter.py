@@ -43,6 +43,12 @@ class Interpreter:
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def pushed(self):
+        """Called when the interpreter goes on the stack (set-up it needs; none by default)."""
+
+    def popped(self):
+        """Called when it leaves the stack, also after an exception (undo `pushed`)."""
+
     # -- after the transform returned (see level_tensor._dispatch_with_dead_levels) --
     def unwrap_dead(self, x):
         """What a wrapper of this (finished) level stands for one level down."""
@@ -81,9 +87,11 @@ def interpreting(interpreter: Interpreter):
     interpreters = _stack.interpreters
     depth = len(interpreters)
     interpreters.append(interpreter)
+    interpreter.pushed()
     try:
         yield interpreter
     finally:
         interpreter.alive = False
         del interpreters[depth:]
+        interpreter.popped()
 

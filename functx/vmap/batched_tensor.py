@@ -40,12 +40,15 @@ class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
     kind = "vmap"
-    __slots__ = ("batch_size", "randomness")
+    __slots__ = ("batch_size", "randomness", "physical_grad")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
         self.batch_size = batch_size
         self.randomness = randomness
+        # A grad level running on this level's physical tensors (ad/physical_level.py),
+        # while one is open: `detach` then cuts that level's gradient only.
+        self.physical_grad = None
 
     def process(self, op, args, kwargs):
         handler = VMAP_RULES.handler(op)

@@ -146,15 +146,19 @@ def test_per_sample_grads_match_loop(name):
         check_layer(name)
 
 
-def test_gru_default_initial_state_fails_like_torch_func():
+def test_gru_default_initial_state_beyond_torch_func():
     """With the default (unbatched, zero) initial hidden state, ATen's GRU cell computes the
     hidden gates from unbatched weights and state, then adds batched values into them in
-    place (aten::add_.Tensor) -- torch.func fails on the same write. Passing a per-sample
-    h0 (test above) avoids it."""
+    place (aten::add_.Tensor): torch.func fails on that write. functx's grad right inside
+    vmap gives the unbatched parameters the batch dim (physical_level.py), so the write
+    is batched and the per-sample gradients match the loop."""
     module = RNNOutput(nn.GRU(4, 5, batch_first=True))
     x = torch.randn(BATCH, 3, 4)
-    with pytest.raises(RuntimeError, match="aten::add_.Tensor writes in place"):
-        functx_per_sample_grads(module, x, torch.randn(BATCH, 3, 5))
+    targets = torch.randn(BATCH, 3, 5)
+    ours = functx_per_sample_grads(module, x, targets)
+    expected = loop_per_sample_grads(module, x, targets)
+    for k in expected:
+        assert_close(ours[k], expected[k], atol=1e-5, rtol=1e-4)
     with pytest.raises(RuntimeError):
         params = {k: v.detach() for k, v in module.named_parameters()}
         torch.func.vmap(torch.func.grad(lambda p, x: torch.func.functional_call(module, p, x[None]).sum()), in_dims=(None, 0))(params, x)

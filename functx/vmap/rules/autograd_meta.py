@@ -31,3 +31,14 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
     storage = torch.zeros(interp.batch_size * per_sample, dtype=x.dtype, device=x.device)
     physical = storage.as_strided((interp.batch_size, *other.shape), (per_sample, *other.stride()), other.storage_offset())
     return interp.wrap(physical)
+
+
+@VMAP_RULES.register(aten.detach.default)
+def _detach(interp, x):
+    # With a grad level running on this level's physical tensors (ad/physical_level.py),
+    # user code's `detach` is at that level: cut its gradient only, not the outer levels'.
+    value = x._value
+    level = interp.physical_grad
+    if level is not None and value.requires_grad:
+        return interp.wrap(level.stop_gradient(value))
+    return interp.wrap(value.detach())

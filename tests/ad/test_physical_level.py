@@ -1,0 +1,223 @@
+"""`grad` right inside `vmap` runs on plain autograd over vmap's physical tensors
+(functx/ad/physical_level.py). These tests pin what that level must keep by hand: values
+equal to a per-sample loop and to torch.func, per-element gradients of unbatched inputs,
+what leaves the level attached or detached, `detach()` cutting this level only, outer
+`no_grad`, nesting, errors, and the stack after exceptions."""
+
+import pytest
+import torch
+import torch.func as tf
+from torch.testing import assert_close
+
+import functx
+from functx.ad.grad_level import GradInterpreter
+from functx.ad.physical_level import PhysicalGradLevel
+from functx.core.interpreter import current_stack
+
+D = torch.float64
+
+
+def test_vmap_of_grad_uses_the_physical_level_and_matches_a_loop():
+    seen = []
+
+    def loss(w, x):
+        if current_stack():
+            seen.append(type(current_stack()[-1]))
+        return torch.tanh(x @ w).pow(2).sum()
+
+    w, x = torch.randn(3, 2, dtype=D), torch.randn(5, 4, 3, dtype=D)
+    got = functx.vmap(functx.grad(loss, argnums=(0, 1)), in_dims=(None, 0))(w, x)
+    assert seen == [PhysicalGradLevel]
+    for i in range(5):
+        wi, xi = w.clone().requires_grad_(), x[i].clone().requires_grad_()
+        want = torch.autograd.grad(loss(wi, xi), (wi, xi))
+        assert_close(got[0][i], want[0])  # the unbatched input's gradient is per sample
+        assert_close(got[1][i], want[1])
+
+
+def test_pytree_inputs_and_grad_and_value_with_aux():
+    params = {"a": torch.randn(3, dtype=D), "b": [torch.randn((), dtype=D)]}
+    x = torch.randn(4, 3, dtype=D)
+
+    def loss(p, x):
+        y = (p["a"] * x).sin().sum() + p["b"][0] * x.sum()
+        return y, {"y2": y * 2, "x": x}
+
+    ours = functx.vmap(functx.grad_and_value(loss, has_aux=True), in_dims=(None, 0))(params, x)
+    theirs = tf.vmap(tf.grad_and_value(loss, has_aux=True), in_dims=(None, 0))(params, x)
+    assert_close(ours, theirs)
+    for leaf in torch.utils._pytree.tree_leaves(ours):
+        assert not leaf.requires_grad  # nothing outside is tracked: everything leaves detached
+
+
+def test_output_independent_of_input_gives_zero_gradients():
+    x, y = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
+    got = functx.vmap(functx.grad(lambda x, y: y.sum()))(x, y)
+    assert_close(got, torch.zeros_like(x))
+    got = functx.vmap(functx.grad(lambda x: torch.tensor(1.0, dtype=D)))(x)
+    assert_close(got, torch.zeros_like(x))
+
+
+def test_closed_over_parameter_keeps_the_graph_like_torch_func():
+    """A gradient penalty: the per-sample input gradients depend on a parameter that
+    requires grad outside, so they leave attached and an outer backward goes through."""
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    x = torch.randn(5, 3, dtype=D)
+    f = lambda x: torch.tanh(x @ w).sum()  # noqa: E731
+    ours = functx.vmap(functx.grad(f))(x)
+    assert ours.requires_grad
+    (g_ours,) = torch.autograd.grad(ours.pow(2).sum(), w)
+    theirs = tf.vmap(tf.grad(f))(x)
+    (g_theirs,) = torch.autograd.grad(theirs.pow(2).sum(), w)
+    assert_close(ours, theirs)
+    assert_close(g_ours, g_theirs)
+
+
+def test_outer_no_grad_holds_for_the_outside():
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    x = torch.randn(4, 3, dtype=D)
+    with torch.no_grad():
+        got = functx.vmap(functx.grad(lambda x: (x * w).sin().sum()))(x)
+    assert not got.requires_grad
+    assert_close(got, (x * w).cos() * w.detach())
+
+
+def test_maml_second_order_matches_an_autograd_loop():
+    torch.manual_seed(0)
+    p = torch.randn(3, dtype=D)
+    xs, ys = torch.randn(4, 6, 3, dtype=D), torch.randn(4, 6, dtype=D)
+
+    def task(p, x, y):
+        for _ in range(2):
+            p = p - 0.1 * functx.grad(lambda p: ((x @ p).tanh() - y).pow(2).mean())(p)
+        return ((x @ p).tanh() - y).pow(2).mean()
+
+    got = functx.grad(lambda p: functx.vmap(task, in_dims=(None, 0, 0))(p, xs, ys).sum())(p)
+    leaf = p.clone().requires_grad_()
+    total = 0
+    for t in range(4):
+        q = leaf
+        for _ in range(2):
+            (g,) = torch.autograd.grad(((xs[t] @ q).tanh() - ys[t]).pow(2).mean(), q, create_graph=True)
+            q = q - 0.1 * g
+        total = total + ((xs[t] @ q).tanh() - ys[t]).pow(2).mean()
+    (want,) = torch.autograd.grad(total, leaf)
+    assert_close(got, want)
+
+
+def test_detach_inside_cuts_this_level_only():
+    """d/dp of sum_i grad_p[(p x_i).detach() * p]: the inner gradient treats (p x_i) as a
+    constant, the outer one does not, with or without vmap between them. (torch.func cuts
+    every level here and returns zeros; functx keeps DESIGN.md's "current level only",
+    the same as tests/ad/test_reverse.py::test_detach_cuts_only_the_current_level.)"""
+    p = torch.randn(3, dtype=D)
+    x = torch.randn(4, 3, dtype=D)
+    inner = lambda p, x: ((p * x).detach() * p).sum()  # noqa: E731
+    per_sample = functx.vmap(functx.grad(inner), in_dims=(None, 0))
+    assert_close(per_sample(p, x), p * x)
+    outer = functx.grad(lambda p: per_sample(p, x).pow(2).sum())(p)
+    assert_close(outer, (2 * (p * x) * x).sum(0))  # d/dp sum (p x)^2
+    unbatched = sum(functx.grad(lambda p: functx.grad(inner)(p, x[i]).pow(2).sum())(p) for i in range(4))
+    assert_close(outer, unbatched)
+
+
+def test_detach_of_this_levels_tensor_inside_a_nested_grad():
+    """`c` belongs to the physical level; a grad nested inside (a wrapping level) detaches
+    it: the physical level's gradient must not flow through the detached use, the outer
+    one must."""
+    p = torch.randn(3, dtype=D)
+    x = torch.randn(4, 3, dtype=D)
+
+    def per_sample(transforms):
+        def f(p, x):
+            c = (p * x).sin()
+            g = transforms.grad(lambda q: (q.pow(2) * c.detach()).sum())(p)
+            return (g * c).sum()
+
+        return f
+
+    for argnums in (0, 1):
+        ours = functx.vmap(functx.grad(per_sample(functx), argnums=argnums), in_dims=(None, 0))(p, x)
+        theirs = tf.vmap(tf.grad(per_sample(tf), argnums=argnums), in_dims=(None, 0))(p, x)
+        assert_close(ours, theirs)
+    outer = functx.grad(lambda p: functx.vmap(functx.grad(per_sample(functx)), in_dims=(None, 0))(p, x).sum())(p)
+    # the physical level's gradient is 2 c^2 + 2 p c cos(p x) x, c = sin(p x) (its detached
+    # factor held constant); the outer level differentiates that as a function of p
+    leaf = p.clone().requires_grad_()
+    c = (leaf * x).sin()
+    (want,) = torch.autograd.grad((2 * c * c + 2 * leaf * c * (leaf * x).cos() * x).sum(), leaf)
+    assert_close(outer, want)
+
+
+@pytest.mark.parametrize("depth", ["grad_grad", "grad_vmap_grad", "hessian"])
+def test_nested_inside_the_physical_level(depth):
+    x = torch.randn(4, 3, dtype=D)
+    f = lambda v: (v.sin() * v.cos().sum()).sum()  # noqa: E731
+    if depth == "grad_grad":
+        make = lambda T: T.vmap(T.grad(lambda v: T.grad(f)(v).pow(2).sum()))  # noqa: E731
+    elif depth == "grad_vmap_grad":
+        make = lambda T: T.vmap(T.grad(lambda v: T.vmap(T.grad(f))(v.expand(2, 3) * 1.5).sum()))  # noqa: E731
+    else:
+        make = lambda T: T.vmap(T.hessian(f))  # noqa: E731
+    assert_close(make(functx)(x), make(tf)(x))
+
+
+def test_grad_nested_inside_it_wraps():
+    levels = []
+
+    def f(v):
+        levels.append(type(current_stack()[-1]))
+        return v.pow(3).sum()
+
+    functx.vmap(functx.grad(lambda v: functx.grad(f)(v).sum()))(torch.randn(2, 3))
+    assert levels == [GradInterpreter]
+
+
+def test_in_place_ops_on_non_leaves():
+    x = torch.randn(4, 3, dtype=D)
+
+    def f(v):
+        y = v * 2
+        y.mul_(v)
+        y.add_(1)
+        y[0] = y[1] * 3
+        return y.relu_().sum()
+
+    assert_close(functx.vmap(functx.grad(f))(x), tf.vmap(tf.grad(f))(x))
+
+
+def test_dropout_with_different_randomness_matches_its_mask():
+    x = torch.randn(6, 50, dtype=D)
+
+    def f(v):
+        return torch.nn.functional.dropout(v, 0.5).mul(v).sum()
+
+    g = functx.vmap(functx.grad(f), randomness="different")(x)
+    kept = g != 0  # d/dv (mask * v / 0.5 * v) = 4 v on kept entries, 0 elsewhere
+    assert_close(g[kept], 4 * x[kept])
+    assert 0 < kept.sum() < x.numel()
+    assert not all(torch.equal(kept[0], kept[i]) for i in range(1, 6))
+
+
+def test_errors_are_those_of_grad_and_the_stack_is_restored():
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="Expected f\\(\\*args\\) to return a scalar Tensor"):
+        functx.vmap(functx.grad(lambda v: v * 2))(x)
+    with pytest.raises(RuntimeError, match="only floating-point or complex tensors"):
+        functx.vmap(functx.grad(lambda v: v.sum()))(torch.ones(4, 3, dtype=torch.long))
+
+    def boom(v):
+        v.sum()
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        functx.vmap(functx.grad(boom))(x)
+    assert current_stack() == ()
+    assert_close(functx.vmap(functx.grad(lambda v: v.pow(2).sum()))(x), 2 * x)
+
+
+def test_in_dims_other_than_zero_and_chunks():
+    x = torch.randn(3, 6, dtype=D)
+    f = lambda v: v.exp().sum()  # noqa: E731
+    assert_close(functx.vmap(functx.grad(f), in_dims=1, out_dims=1)(x), x.exp())
+    assert_close(functx.vmap(functx.grad(f), in_dims=1, chunk_size=4)(x), x.exp().T)
