@@ -22,6 +22,7 @@ import torch
 
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from ..vmap.batched_tensor import wrapper_requires_grad
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _view_as_real = torch.ops.aten.view_as_real.default
@@ -78,7 +79,7 @@ def _lands_in_vmap(values) -> bool:
     batched = False
     for v in values:
         if isinstance(v, LevelTensor):
-            if v._interp.kind != "vmap" or v.requires_grad:
+            if v._interp.kind != "vmap" or wrapper_requires_grad(v):
                 return False
             batched = True
         elif type(v) is list or type(v) is tuple:

@@ -16,6 +16,8 @@ from ..core.rules import RuleTable
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _Tensor = torch.Tensor
+_wrapper_requires_grad = torch._C.TensorBase.__dict__["requires_grad"]  # the C++ flag itself
+wrapper_requires_grad = _wrapper_requires_grad.__get__
 
 
 class BatchedTensor(LevelTensor):
@@ -32,6 +34,20 @@ class BatchedTensor(LevelTensor):
 
     def __repr__(self):
         return f"BatchedTensor(level={self._interp.level}, value={self._value!r})"
+
+    @property
+    def requires_grad(self):
+        """Whether autograd tracks this tensor: the wrapper itself (user code called
+        `requires_grad_()` inside vmap), or, while a grad level runs on this level's
+        physical tensors (ad/physical_level.py), the physical value: inside
+        `vmap(grad(f))` the inputs report True, as torch.func's do."""
+        if wrapper_requires_grad(self):
+            return True
+        return self._interp.physical_grad is not None and self._value.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag):
+        _wrapper_requires_grad.__set__(self, flag)
 
     __str__ = __repr__
 
@@ -89,7 +105,7 @@ def _values_need_autograd(args) -> bool:
     a lazy conjugate/negative bit (those keys are also switched off in here)."""
     for a in args:
         if isinstance(a, _Tensor):
-            if a.requires_grad or a.is_conj() or a.is_neg():
+            if wrapper_requires_grad(a) or a.is_conj() or a.is_neg():
                 return True
             if type(a) is BatchedTensor:
                 value = a._value

@@ -5,7 +5,8 @@ Random ops on values that are not batched at this level — factories such as
 `torch.randn(3)` that take no tensor at all, or `torch.rand_like(w)` of a captured `w` —
 never reach the dispatcher through a BatchedTensor, so a TorchFunctionMode, pushed for
 the duration of each vmap call, intercepts them. It costs one dictionary lookup for
-every other torch call.
+every other torch call. The same mode also routes two non-random calls: indexing with
+batched 0-dim integer tensors and `torch.autograd.grad` (autograd_calls.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..core.level_tensor import LevelTensor
+from .autograd_calls import autograd_grad
 
 RANDOMNESS_MODES = ("error", "different", "same")
 
@@ -88,6 +90,8 @@ class RandomnessMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if kind == "index":
             return _index_with_tensor_scalars(func, args, kwargs)
+        if kind == "autograd":
+            return autograd_grad(self.interp, func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
 
 
@@ -156,8 +160,13 @@ def _index_with_tensor_scalars(func, args, kwargs):
     return None
 
 
-# Not random, but also seen here: indexing by batched 0-dim integer tensors (above).
-_RANDOM_FUNCS = {torch.Tensor.__getitem__: "index", torch.Tensor.__setitem__: "index"}
+# Not random, but also seen here: indexing by batched 0-dim integer tensors (above), and
+# `torch.autograd.grad` inside `vmap(grad(f))` (autograd_calls.py).
+_RANDOM_FUNCS = {
+    torch.Tensor.__getitem__: "index",
+    torch.Tensor.__setitem__: "index",
+    torch.autograd.grad: "autograd",
+}
 for _f in (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal):
     _RANDOM_FUNCS[_f] = "factory"
 for _f in (

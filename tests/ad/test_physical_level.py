@@ -221,3 +221,72 @@ def test_in_dims_other_than_zero_and_chunks():
     f = lambda v: v.exp().sum()  # noqa: E731
     assert_close(functx.vmap(functx.grad(f), in_dims=1, out_dims=1)(x), x.exp())
     assert_close(functx.vmap(functx.grad(f), in_dims=1, chunk_size=4)(x), x.exp().T)
+
+
+# -- the autograd API inside vmap(grad(f)) -------------------------------------------------
+def test_inputs_report_requires_grad_like_torch_func():
+    seen = {}
+
+    def f(x, w):
+        seen["x"], seen["w"], seen["y"] = x.requires_grad, w.requires_grad, (x * 2).requires_grad
+        seen["const"] = torch.ones(()).requires_grad
+        return (x * w).sum()
+
+    functx.vmap(functx.grad(f, argnums=(0, 1)), in_dims=(0, None))(torch.randn(3, 2), torch.randn(2))
+    assert seen == {"x": True, "w": True, "y": True, "const": False}
+    functx.vmap(lambda x: seen.update(plain=x.requires_grad) or x)(torch.randn(3, 2, requires_grad=True))
+    assert seen["plain"] is False  # plain vmap: as torch.func
+
+
+def test_torch_autograd_grad_inside_matches_torch_func():
+    """A hand-written input-gradient penalty per sample, differentiated w.r.t. the
+    (unbatched) parameters and the input."""
+    w = torch.randn(4, 3, dtype=D)
+    x = torch.randn(5, 4, dtype=D)
+
+    def penalized(w, x):
+        x_in = x * 1.0
+        score = torch.tanh(x_in @ w).sum()
+        (gx,) = torch.autograd.grad(score, x, create_graph=True)
+        return score + (gx.norm() - 1) ** 2
+
+    for argnums in (1, (0, 1)):
+        ours = functx.vmap(functx.grad(penalized, argnums=argnums), in_dims=(None, 0))(w, x)
+        theirs = tf.vmap(tf.grad(penalized, argnums=argnums), in_dims=(None, 0))(w, x)
+        assert_close(ours, theirs)
+    for transforms in (functx, tf):  # x is not differentiated: both refuse the same way
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            transforms.vmap(transforms.grad(penalized), in_dims=(None, 0))(w, x)
+
+
+def test_torch_autograd_grad_inside_with_grad_outputs_and_unused():
+    x = torch.randn(4, 3, dtype=D)
+
+    def f(x):
+        y = x.sin()
+        (g,) = torch.autograd.grad(y, x, grad_outputs=torch.ones(3, dtype=D), create_graph=True)
+        (h, unused) = torch.autograd.grad(y.sum(), (x, x * 0 + 1), create_graph=True, allow_unused=True)
+        assert unused is None
+        return (g * h).sum()
+
+    assert_close(functx.vmap(functx.grad(f))(x), tf.vmap(tf.grad(f))(x))
+
+
+def test_torch_autograd_grad_inside_respects_detach():
+    x = torch.randn(4, 3, dtype=D)
+
+    def f(x):
+        y = x.detach() * x
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # = x.detach(): constant
+        return (g * x).sum()
+
+    assert_close(functx.vmap(functx.grad(f))(x), x)
+
+
+def test_torch_autograd_grad_inside_errors():
+    x = torch.randn(4, 3)
+    with pytest.raises(NotImplementedError, match="is_grads_batched"):
+        functx.vmap(functx.grad(lambda x: torch.autograd.grad(x.sum(), x, is_grads_batched=True)[0].sum()))(x)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
+        functx.vmap(functx.grad(lambda x: torch.autograd.grad(x * 2, x)[0].sum()))(x)
+    assert current_stack() == ()
