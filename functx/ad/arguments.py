@@ -5,7 +5,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from .grad_level import unwrap_level  # noqa: F401  (re-exported)
+from .grad_level import autograd_grad, unwrap_level  # noqa: F401  (re-exported)
 
 
 def check_argnums(argnums, num_args: int, api: str):
@@ -71,21 +71,6 @@ def check_outputs(flat_out, output, api: str) -> None:
     for out in flat_out:
         if not isinstance(out, torch.Tensor):
             raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
-
-
-def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, retain_graph=None):
-    """`torch.autograd.grad` with torch.func's conventions: outputs that do not require grad
-    contribute nothing, inputs that do not reach an output get zeros."""
-    if grad_outputs is None:
-        grad_outputs = [None] * len(outputs)
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
-    if not pairs:
-        return tuple(torch.zeros_like(x) for x in inputs)
-    outs, gouts = zip(*pairs)
-    grads = torch.autograd.grad(
-        outs, inputs, gouts, create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
-    )
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
 
 
 def identity_rows(flat, start, stop):

@@ -201,6 +201,9 @@ class GradInterpreter(Interpreter):
     def seal(self, outputs, leaves):
         pass
 
+    def gradient(self, output, leaves):
+        return autograd_grad([output], leaves, create_graph=True)
+
     def export(self, tree):
         return unwrap_level(tree, self)
 
@@ -215,3 +218,18 @@ def unwrap_level(tree, interp):
         return x
 
     return optree.tree_map(leaf, tree)
+
+
+def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, retain_graph=None):
+    """`torch.autograd.grad` with torch.func's conventions: outputs that do not require grad
+    contribute nothing, inputs that do not reach an output get zeros."""
+    if grad_outputs is None:
+        grad_outputs = [None] * len(outputs)
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(x) for x in inputs)
+    outs, gouts = zip(*pairs)
+    grads = torch.autograd.grad(
+        outs, inputs, gouts, create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
+    )
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))

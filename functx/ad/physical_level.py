@@ -39,24 +39,21 @@ import optree
 import torch
 
 from ..core.custom_function import apply_original
-from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
-from .plain_level import PlainGradLevel, _reaches_outside
-from .grad_level import unwrap_level
+from .plain_level import PlainGradLevel
 
 
-class PhysicalGradLevel(Interpreter):
-    """A grad level run by plain autograd on the physical tensors of `vmap_level`."""
+class PhysicalGradLevel(PlainGradLevel):
+    """A grad level run by plain autograd on the physical tensors of `vmap_level`: the
+    plain level's seal and export, on the tensors under this vmap level's wrappers."""
 
     kind = "grad (plain autograd under vmap)"
-    __slots__ = ("vmap_level", "prev_grad_mode", "reaches_outside", "in_backward", "_outer")
+    __slots__ = ("vmap_level", "in_backward", "_outer")
 
     def __init__(self, vmap_level: VmapInterpreter):
         super().__init__()
         self.vmap_level = vmap_level
-        self.prev_grad_mode = torch.is_grad_enabled()
-        self.reaches_outside = False
         self.in_backward = False
         self._outer = None
 
@@ -89,25 +86,16 @@ class PhysicalGradLevel(Interpreter):
             physical = x._value
         else:  # unbatched: one copy per element (a view), so its gradient is per element
             physical = x.expand(vmap_level.batch_size, *x.shape)
-        if physical.requires_grad and self.prev_grad_mode:
-            leaf = physical.view_as(physical)  # stays connected to the outside graph
-        else:
-            leaf = physical.detach().requires_grad_()
-            leaf._functx_leaf_of = self
-        return BatchedTensor(leaf, vmap_level)
+        return BatchedTensor(self._autograd_leaf(physical), vmap_level)
 
-    def _physical(self, x):
+    def _tracked(self, x):
         vmap_level = self.vmap_level
         return x._value if type(x) is BatchedTensor and x._interp is vmap_level else x
 
-    def seal(self, outputs, leaves) -> None:
-        physical = [self._physical(o) for o in outputs]
-        self.reaches_outside = self.prev_grad_mode and _reaches_outside(physical, [self._physical(x) for x in leaves])
-
     def gradient(self, output, leaves):
         """d output / d leaves, per batch element (output: this level's scalar)."""
-        out = self._physical(output)
-        physical_leaves = [self._physical(x) for x in leaves]
+        out = self._tracked(output)
+        physical_leaves = [self._tracked(x) for x in leaves]
         if not out.requires_grad:
             grads = [torch.zeros_like(x) for x in physical_leaves]
         else:
@@ -121,28 +109,17 @@ class PhysicalGradLevel(Interpreter):
             grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, physical_leaves)]
         return [BatchedTensor(g, self.vmap_level) for g in grads]
 
-    def export(self, tree):
-        tree = unwrap_level(tree, self)
-        if self.reaches_outside:
-            return tree
-        vmap_level = self.vmap_level
-
-        def detached(x):
-            if type(x) is BatchedTensor and x._interp is vmap_level:
-                return BatchedTensor(x._value.detach(), vmap_level) if x._value.requires_grad else x
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                return x.detach()
-            return x
-
-        return optree.tree_map(detached, tree)
+    def _detached(self, x):
+        # not `x.detach()`: while this level is open, vmap's detach rule stops only its gradient
+        if type(x) is BatchedTensor and x._interp is self.vmap_level:
+            return BatchedTensor(x._value.detach(), self.vmap_level) if x._value.requires_grad else x
+        return super()._detached(x)
 
     def stop_gradient(self, physical: torch.Tensor) -> torch.Tensor:
         """`physical.detach()` as this level sees it: constant for its gradient, unchanged
         for the levels below (an outer grad still differentiates through it)."""
         return apply_original(_StopGradientHere, physical, self)
 
-    def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
-        raise AssertionError("a physical grad level has no tensors of its own")
 
 
 class _StopGradientHere(torch.autograd.Function):

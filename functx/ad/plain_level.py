@@ -37,7 +37,7 @@ import torch
 
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor
-from .grad_level import unwrap_level
+from .grad_level import autograd_grad, unwrap_level
 
 
 class PlainGradLevel(Interpreter):
@@ -53,22 +53,39 @@ class PlainGradLevel(Interpreter):
 
     def leaf(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor standing for input `x` that this level differentiates with respect to."""
+        return self._autograd_leaf(x)
+
+    def _autograd_leaf(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and self.prev_grad_mode:
             return x.view_as(x)  # stays connected to the outside graph
         leaf = x.detach().requires_grad_()
         leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
         return leaf
 
+    def _tracked(self, x):
+        """The tensor autograd tracks for `x` (a subclass may keep it under a wrapper)."""
+        return x
+
     def seal(self, outputs, leaves) -> None:
         """After the function ran: does its graph reach tensors tracked outside?"""
-        self.reaches_outside = self.prev_grad_mode and _reaches_outside(outputs, leaves)
+        tracked = self._tracked
+        self.reaches_outside = self.prev_grad_mode and _reaches_outside(
+            [tracked(o) for o in outputs], [tracked(x) for x in leaves]
+        )
+
+    def gradient(self, output, leaves):
+        """d output / d leaves (output: a scalar)."""
+        return autograd_grad([output], leaves, create_graph=self.reaches_outside)
 
     def export(self, tree):
         """Results as they leave the level (detached unless they must stay connected)."""
         tree = unwrap_level(tree, self)  # dead levels opened inside may have left wrappers
         if self.reaches_outside:
             return tree
-        return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x, tree)
+        return optree.tree_map(self._detached, tree)
+
+    def _detached(self, x):
+        return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
 
     def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
         raise AssertionError("the plain grad level has no tensors of its own")

@@ -149,10 +149,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
                 )
             flat_diff, diff_spec = optree.tree_flatten(diff)
             level.seal([output], flat_diff)
-            if type(level) is PhysicalGradLevel:
-                grads = level.gradient(output, flat_diff)
-            else:
-                grads = autograd_grad([output], flat_diff, create_graph=level.reaches_outside)
+            grads = level.gradient(output, flat_diff)
             gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
             value = level.export(output)
             if has_aux:

@@ -38,7 +38,7 @@ def _as_tuple(x):
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
-def autograd_grad(interp, func, args, kwargs):
+def route_autograd_grad(interp, func, args, kwargs):
     """Run a `torch.autograd.grad` call on `interp`'s physical values when its outputs are
     tracked there (inside a physical grad level); otherwise hand it on unchanged."""
     if interp.physical_grad is None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..core.level_tensor import LevelTensor
-from .autograd_calls import autograd_grad
+from .autograd_calls import route_autograd_grad
 
 RANDOMNESS_MODES = ("error", "different", "same")
 
@@ -91,7 +91,7 @@ class RandomnessMode(TorchFunctionMode):
         if kind == "index":
             return _index_with_tensor_scalars(func, args, kwargs)
         if kind == "autograd":
-            return autograd_grad(self.interp, func, args, kwargs)
+            return route_autograd_grad(self.interp, func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
 
 

@@ -290,3 +290,15 @@ def test_torch_autograd_grad_inside_errors():
     with pytest.raises(RuntimeError, match="implicitly created only for scalar outputs"):
         functx.vmap(functx.grad(lambda x: torch.autograd.grad(x * 2, x)[0].sum()))(x)
     assert current_stack() == ()
+
+
+def test_an_exception_caught_inside_vmap_leaves_the_vmap_level_as_it_was():
+    def per_sample(v):
+        vmap_level = current_stack()[-1]
+        with pytest.raises(ValueError):
+            functx.grad(lambda u: (_ for _ in ()).throw(ValueError("inner")))(v)
+        assert vmap_level.physical_grad is None and current_stack() == (vmap_level,)
+        return v.detach() * 2  # a plain detach again
+
+    x = torch.randn(3, 2)
+    assert_close(functx.vmap(per_sample)(x), 2 * x)
