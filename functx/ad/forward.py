@@ -23,6 +23,7 @@ from ..core.interpreter import interpreting
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums, unwrap_level
 from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
+from .grad_level import outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 
 _JVP = "jvp(f, primals, tangents)"
@@ -36,6 +37,8 @@ def _tangent_map(vjp_fn, flat_out, out_spec):
             grads = optree.tree_leaves(vjp_fn(optree.tree_unflatten(out_spec, list(cotangent)), create_graph=True))
             total = 0
             for g, t in zip(grads, flat_tangents):
+                if t.is_inference():  # made under torch.inference_mode(): cannot be saved for backward
+                    t = t.clone()
                 total = total + (g * t).sum()
             return total
 
@@ -83,7 +86,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api):
                 f"{api}: only floating-point or complex primals have tangents, got a Tensor with "
                 f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
             )
-    with dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(JvpInterpreter()) as level:
+    with outside_inference_mode(), dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(JvpInterpreter()) as level:
         duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
         output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
         flat_out, out_spec = optree.tree_flatten(output)

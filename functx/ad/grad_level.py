@@ -87,6 +87,21 @@ def _lands_in_vmap(values) -> bool:
     return batched
 
 
+def outside_inference_mode():
+    """Inference mode off for the block, if it is on: it switches autograd's recording
+    (reverse and forward) off for every tensor whatever the grad mode, so under
+    `torch.inference_mode()` the AD transforms would silently return zeros."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _no_context
+
+
+@contextlib.contextmanager
+def recording():
+    """What a grad level needs around the function and its backward: grad mode on, and
+    inference mode off."""
+    with torch.enable_grad(), outside_inference_mode():
+        yield
+
+
 class GradTensor(LevelTensor):
     """A tensor inside `functx.grad` / `functx.vjp`: the value one level down, recorded by
     torch autograd at this level."""

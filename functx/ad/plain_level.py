@@ -58,7 +58,8 @@ class PlainGradLevel(Interpreter):
     def _autograd_leaf(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad and self.prev_grad_mode:
             return x.view_as(x)  # stays connected to the outside graph
-        leaf = x.detach().requires_grad_()
+        # a tensor made under torch.inference_mode() cannot require grad: differentiate a copy
+        leaf = (x.clone() if x.is_inference() else x.detach()).requires_grad_()
         leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
         return leaf
 

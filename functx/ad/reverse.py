@@ -19,7 +19,7 @@ from .arguments import (
     select_argnums,
     unwrap_level,
 )
-from .grad_level import GradInterpreter
+from .grad_level import GradInterpreter, recording
 from .physical_level import PhysicalGradLevel
 from .plain_level import PlainGradLevel, is_differentiated
 
@@ -56,7 +56,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
     returns cotangents shaped like the differentiated arguments."""
     level = _new_grad_level(args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api)))
-    with interpreting(level), torch.enable_grad():
+    with interpreting(level), recording():
         if argnums is None:
             diff = make_differentiable(args, level, api)
             call_args = diff
@@ -92,7 +92,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
                     f"{api}: vjp_fn got a cotangent of shape {got} for an output of shape "
                     f"{tuple(out.shape)}; cotangents must match the outputs' shapes."
                 )
-        with torch.enable_grad() if create_graph else torch.no_grad():
+        with recording() if create_graph else torch.no_grad():
             grads = autograd_grad(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
         return optree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
 
@@ -137,7 +137,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
     def wrapper(*args, **kwargs):
         checked = check_argnums(argnums, len(args), api)
         level = _new_grad_level(select_argnums(args, checked), physical_ok=True)
-        with interpreting(level), torch.enable_grad():
+        with interpreting(level), recording():
             diff = make_differentiable(select_argnums(args, checked), level, api)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
             if not isinstance(output, torch.Tensor):
