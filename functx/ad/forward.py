@@ -19,7 +19,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from ..core.errors import PerformanceWarning
-from ..core.interpreter import interpreting
+from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums, unwrap_level
 from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
@@ -87,12 +87,14 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api):
                 f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
             )
     with outside_inference_mode(), dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(JvpInterpreter()) as level:
-        duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
+        with functx_code():
+            duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
         output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
-        flat_out, out_spec = optree.tree_flatten(output)
-        check_outputs(flat_out, output, api)
-        pairs = [unpack_dual(level, o) for o in flat_out]
-        aux = unwrap_level(aux, level)
+        with functx_code():
+            flat_out, out_spec = optree.tree_flatten(output)
+            check_outputs(flat_out, output, api)
+            pairs = [unpack_dual(level, o) for o in flat_out]
+            aux = unwrap_level(aux, level)
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
@@ -208,7 +210,8 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
         step = max(total, 1) if chunk_size is None else chunk_size
         chunks = []
         for start in range(0, total, step):
-            basis = identity_rows(flat_diff, start, min(start + step, total))
+            with functx_code():
+                basis = identity_rows(flat_diff, start, min(start + step, total))
             chunks.append(vmap(push_jvp, randomness=randomness)(*basis))
         columns, aux = chunks[0]
         flat_cols, out_spec = optree.tree_flatten(columns)

@@ -219,6 +219,13 @@ class GradInterpreter(Interpreter):
     def gradient(self, output, leaves):
         return autograd_grad([output], leaves, create_graph=True)
 
+    def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+
+    def depends(self, output) -> bool:
+        """Whether `output` depends on this level's differentiated inputs."""
+        return output.requires_grad
+
     def export(self, tree):
         return unwrap_level(tree, self)
 

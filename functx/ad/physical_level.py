@@ -39,6 +39,7 @@ import optree
 import torch
 
 from ..core.custom_function import apply_original
+from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
 from .plain_level import PlainGradLevel
@@ -94,20 +95,68 @@ class PhysicalGradLevel(PlainGradLevel):
 
     def gradient(self, output, leaves):
         """d output / d leaves, per batch element (output: this level's scalar)."""
-        out = self._tracked(output)
-        physical_leaves = [self._tracked(x) for x in leaves]
-        if not out.requires_grad:
-            grads = [torch.zeros_like(x) for x in physical_leaves]
-        else:
-            self.in_backward = True
+        with functx_code():
+            one = torch.ones((), dtype=output.dtype, device=output.device)
+        return self.vjp([output], leaves, [one], create_graph=self.reaches_outside, retain_graph=None)
+
+    def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        """Cotangents of `leaves`, per batch element. Besides `gradient`, only jacrev calls
+        it (its `vjp_fn`), in two ways: with one cotangent row (this vmap level's tensors
+        or plain ones), or under a vmap `rows` opened right on top of this vmap level over
+        a batch of rows. Then the backward runs on the physical tensors with the
+        cotangents batched at `rows`: the engine's derivative formulas go through `rows`'
+        batching rules once per op and meet plain saved tensors, whose shapes (this
+        level's batch dim first) are what `rows` sees as logical."""
+        vmap_level = self.vmap_level
+        with functx_code():
+            rows = None
+            for c in cotangents:
+                if isinstance(c, LevelTensor) and c._interp is not vmap_level:
+                    rows = c._interp
+            if rows is not None:
+                assert type(rows) is VmapInterpreter and current_stack()[-2:] == (vmap_level, rows), "only as jacrev calls it"
+            pairs = []
+            for out, cot in zip(outputs, cotangents):
+                out = self._tracked(out)
+                if not out.requires_grad:
+                    continue  # an output independent of the (per-element) leaves adds nothing
+                pairs.append((out, self._physical_cotangent(cot, out, rows)))
+            physical_leaves = [self._tracked(x) for x in leaves]
+        grads = [None] * len(physical_leaves)
+        if pairs:
+            self.in_backward = True  # `detach` inside the function holds for this backward
             try:
                 grads = torch.autograd.grad(
-                    [out], physical_leaves, [torch.ones_like(out)], create_graph=self.reaches_outside, allow_unused=True
+                    [o for o, _ in pairs], physical_leaves, [c for _, c in pairs],
+                    create_graph=create_graph, retain_graph=retain_graph, allow_unused=True,
                 )
             finally:
                 self.in_backward = False
-            grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, physical_leaves)]
-        return [BatchedTensor(g, self.vmap_level) for g in grads]
+        with functx_code():
+            results = []
+            for g, leaf in zip(grads, physical_leaves):
+                if g is None:
+                    g = torch.zeros_like(leaf)
+                if type(g) is BatchedTensor and g._interp is rows:  # back to rows over this level
+                    results.append(BatchedTensor(BatchedTensor(g._value.movedim(1, 0), vmap_level), rows))
+                else:
+                    results.append(BatchedTensor(g, vmap_level))
+            return results
+
+    def _physical_cotangent(self, cot, out, rows):
+        """`cot` for the physical output `out`; with `rows`, batched at rows, rows' batch
+        dim first and this level's second."""
+        vmap_level = self.vmap_level
+        if rows is None:
+            if type(cot) is BatchedTensor and cot._interp is vmap_level:
+                return cot._value
+            return cot.expand(out.shape)  # the same cotangent for every element
+        value = cot._value if type(cot) is BatchedTensor and cot._interp is rows else cot.expand(rows.batch_size, *cot.shape)
+        if type(value) is BatchedTensor and value._interp is vmap_level:
+            value = value._value.movedim(0, 1)
+        else:
+            value = value.unsqueeze(1).expand(value.shape[0], *out.shape)
+        return BatchedTensor(value, rows)
 
     def _detached(self, x):
         # not `x.detach()`: while this level is open, vmap's detach rule stops only its gradient

@@ -78,6 +78,14 @@ class PlainGradLevel(Interpreter):
         """d output / d leaves (output: a scalar)."""
         return autograd_grad([output], leaves, create_graph=self.reaches_outside)
 
+    def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        """Cotangents of `leaves` from cotangents of `outputs` (what `vjp_fn` computes)."""
+        return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+
+    def depends(self, output) -> bool:
+        """Whether `output` depends on this level's differentiated inputs."""
+        return self._tracked(output).requires_grad
+
     def export(self, tree):
         """Results as they leave the level (detached unless they must stay connected)."""
         tree = unwrap_level(tree, self)  # dead levels opened inside may have left wrappers

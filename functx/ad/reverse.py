@@ -7,10 +7,9 @@ import functools
 import optree
 import torch
 
-from ..core.interpreter import current_stack, interpreting
+from ..core.interpreter import current_stack, functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (
-    autograd_grad,
     check_argnums,
     check_outputs,
     identity_rows,
@@ -51,53 +50,61 @@ def _split_aux(output, has_aux: bool, api: str):
     return output
 
 
-def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api):
+def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical_ok=False):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
-    returns cotangents shaped like the differentiated arguments."""
-    level = _new_grad_level(args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api)))
+    returns cotangents shaped like the differentiated arguments. `physical_ok`: the caller
+    calls `vjp_fn` only as jacrev does (see PhysicalGradLevel.vjp), so right inside vmap
+    the level may run on vmap's physical tensors."""
+    with functx_code():
+        differentiated = args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api))
+        level = _new_grad_level(differentiated, physical_ok)
     with interpreting(level), recording():
-        if argnums is None:
-            diff = make_differentiable(args, level, api)
-            call_args = diff
-        else:
-            argnums = check_argnums(argnums, len(args), api)
-            diff = make_differentiable(select_argnums(args, argnums), level, api)
-            call_args = replace_argnums(args, argnums, diff)
+        with functx_code():
+            if argnums is None:
+                diff = make_differentiable(args, level, api)
+                call_args = diff
+            else:
+                argnums = check_argnums(argnums, len(args), api)
+                diff = make_differentiable(select_argnums(args, argnums), level, api)
+                call_args = replace_argnums(args, argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
-        flat_out, out_spec = optree.tree_flatten(output)
-        check_outputs(flat_out, output, api)
-        flat_diff, diff_spec = optree.tree_flatten(diff)
-        level.seal(flat_out, flat_diff)
-        result = level.export(output)
-        aux = level.export(aux)
+        with functx_code():
+            flat_out, out_spec = optree.tree_flatten(output)
+            check_outputs(flat_out, output, api)
+            flat_diff, diff_spec = optree.tree_flatten(diff)
+            level.seal(flat_out, flat_diff)
+            result = level.export(output)
+            aux = level.export(aux)
 
     def vjp_fn(cotangents, retain_graph=True, create_graph=None):
-        flat_cot, cot_spec = optree.tree_flatten(cotangents)
-        if create_graph is None:
-            # torch.func's default is the grad mode; a plain level also needs something to
-            # differentiate the result: the outside graph or a differentiated cotangent.
-            create_graph = torch.is_grad_enabled() and (
-                level.reaches_outside or any(is_differentiated(c) for c in flat_cot)
-            )
-        if cot_spec != out_spec:
-            raise RuntimeError(
-                f"Expected pytree structure of cotangents to be the same as pytree structure of "
-                f"outputs to the function. cotangents: {cot_spec}, primal output: {out_spec}"
-            )
-        for cot, out in zip(flat_cot, flat_out):
-            if not isinstance(cot, torch.Tensor) or cot.shape != out.shape:
-                got = tuple(cot.shape) if isinstance(cot, torch.Tensor) else type(cot).__name__
-                raise RuntimeError(
-                    f"{api}: vjp_fn got a cotangent of shape {got} for an output of shape "
-                    f"{tuple(out.shape)}; cotangents must match the outputs' shapes."
+        with functx_code():
+            flat_cot, cot_spec = optree.tree_flatten(cotangents)
+            if create_graph is None:
+                # torch.func's default is the grad mode; a plain level also needs something to
+                # differentiate the result: the outside graph or a differentiated cotangent.
+                create_graph = torch.is_grad_enabled() and (
+                    level.reaches_outside or any(is_differentiated(c) for c in flat_cot)
                 )
+            if cot_spec != out_spec:
+                raise RuntimeError(
+                    f"Expected pytree structure of cotangents to be the same as pytree structure of "
+                    f"outputs to the function. cotangents: {cot_spec}, primal output: {out_spec}"
+                )
+            for cot, out in zip(flat_cot, flat_out):
+                if not isinstance(cot, torch.Tensor) or cot.shape != out.shape:
+                    got = tuple(cot.shape) if isinstance(cot, torch.Tensor) else type(cot).__name__
+                    raise RuntimeError(
+                        f"{api}: vjp_fn got a cotangent of shape {got} for an output of shape "
+                        f"{tuple(out.shape)}; cotangents must match the outputs' shapes."
+                    )
         with recording() if create_graph else torch.no_grad():
-            grads = autograd_grad(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
-        return optree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
+            grads = level.vjp(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
+        with functx_code():
+            return optree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
 
     # Which outputs do not depend on the differentiated inputs (jvp's strict mode asks).
-    vjp_fn.independent_outputs = [not out.requires_grad for out in flat_out]
+    vjp_fn.independent_outputs = [not level.depends(out) for out in flat_out]
     vjp_fn.output_spec = out_spec
     return result, vjp_fn, aux
 
@@ -135,26 +142,30 @@ def grad_and_value(func, argnums=0, has_aux=False):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        checked = check_argnums(argnums, len(args), api)
-        level = _new_grad_level(select_argnums(args, checked), physical_ok=True)
+        with functx_code():
+            checked = check_argnums(argnums, len(args), api)
+            level = _new_grad_level(select_argnums(args, checked), physical_ok=True)
         with interpreting(level), recording():
-            diff = make_differentiable(select_argnums(args, checked), level, api)
+            with functx_code():
+                diff = make_differentiable(select_argnums(args, checked), level, api)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
-            if not isinstance(output, torch.Tensor):
-                raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")
-            if output.dim() != 0:
-                raise RuntimeError(
-                    f"{api}: Expected f(*args) to return a scalar Tensor, got tensor with "
-                    f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
-                )
-            flat_diff, diff_spec = optree.tree_flatten(diff)
-            level.seal([output], flat_diff)
-            grads = level.gradient(output, flat_diff)
-            gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
-            value = level.export(output)
-            if has_aux:
-                return gradient, (value, level.export(aux))
-            return gradient, value
+            with functx_code():
+                if not isinstance(output, torch.Tensor):
+                    raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")
+                if output.dim() != 0:
+                    raise RuntimeError(
+                        f"{api}: Expected f(*args) to return a scalar Tensor, got tensor with "
+                        f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
+                    )
+                flat_diff, diff_spec = optree.tree_flatten(diff)
+                level.seal([output], flat_diff)
+            grads = level.gradient(output, flat_diff)  # the backward may run user code
+            with functx_code():
+                gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
+                value = level.export(output)
+                if has_aux:
+                    return gradient, (value, level.export(aux))
+                return gradient, value
 
     return wrapper
 
@@ -193,27 +204,30 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
     flat_in, in_spec = None, None
     for start in range(0, total, step):
         stop = min(start + step, total)
-        basis = identity_rows(flat_out, start, stop)
+        with functx_code():
+            basis = identity_rows(flat_out, start, stop)
         if stop - start == 1:  # one row (a scalar output): no need to vectorize
             rows, spec = optree.tree_flatten(one_vjp(*(b[0] for b in basis)))
             rows = [r.unsqueeze(0) for r in rows]
         else:
             rows, spec = optree.tree_flatten(vmap(one_vjp)(*basis))
-        if flat_in is None:
-            if stop == total:
-                flat_in, in_spec = rows, spec
-                break
-            flat_in, in_spec = [r.new_empty(total, *r.shape[1:]) for r in rows], spec
-        for full, chunk in zip(flat_in, rows):
-            full[start:stop] = chunk
+        with functx_code():
+            if flat_in is None:
+                if stop == total:
+                    flat_in, in_spec = rows, spec
+                    break
+                flat_in, in_spec = [r.new_empty(total, *r.shape[1:]) for r in rows], spec
+            for full, chunk in zip(flat_in, rows):
+                full[start:stop] = chunk
     # flat_in[j]: (total, *input_j.shape) -> per output i: (*out_i.shape, *input_j.shape)
-    per_output = []
-    offset = 0
-    for out in flat_out:
-        n = out.numel()
-        per_output.append([g[offset : offset + n].view(*out.shape, *g.shape[1:]) for g in flat_in])
-        offset += n
-    return per_output, in_spec
+    with functx_code():
+        per_output = []
+        offset = 0
+        for out in flat_out:
+            n = out.numel()
+            per_output.append([g[offset : offset + n].view(*out.shape, *g.shape[1:]) for g in flat_in])
+            offset += n
+        return per_output, in_spec
 
 
 def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_copy=False):
@@ -235,7 +249,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         api = "jacrev(f, argnums)"
-        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api)
+        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical_ok=True)
         flat_out, out_spec = optree.tree_flatten(output)
         for out in flat_out:
             if out.is_complex():

@@ -7,7 +7,7 @@ import functools
 import optree
 import torch
 
-from ..core.interpreter import interpreting
+from ..core.interpreter import functx_code, interpreting
 from ..core.level_tensor import unwrap_dead
 from .batched_tensor import BatchedTensor, VmapInterpreter
 from .randomness import RANDOMNESS_MODES, RandomnessMode, check_randomness
@@ -134,13 +134,16 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
     interp = VmapInterpreter(batch_size, randomness)
-    with interpreting(interp), RandomnessMode(interp):
-        batched = [
-            x if d is None else BatchedTensor(x if d == 0 else x.movedim(d, 0), interp)
-            for x, d in zip(leaves, flat_dims)
-        ]
-        outputs = func(*optree.tree_unflatten(spec, batched), **kwargs)
-        return _unbatch_outputs(func, outputs, out_dims, interp)
+    with interpreting(interp):
+        with functx_code():
+            batched = [
+                x if d is None else BatchedTensor(x if d == 0 else x.movedim(d, 0), interp)
+                for x, d in zip(leaves, flat_dims)
+            ]
+        with RandomnessMode(interp):  # user code only
+            outputs = func(*optree.tree_unflatten(spec, batched), **kwargs)
+        with functx_code():
+            return _unbatch_outputs(func, outputs, out_dims, interp)
 
 
 def _flat_out_dims(func, out_dims, outputs):
