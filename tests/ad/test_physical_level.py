@@ -302,3 +302,66 @@ def test_an_exception_caught_inside_vmap_leaves_the_vmap_level_as_it_was():
 
     x = torch.randn(3, 2)
     assert_close(functx.vmap(per_sample)(x), 2 * x)
+
+
+# -- jacrev right inside vmap (PhysicalGradLevel.vjp) ---------------------------------------
+def _mlp(w1, w2):
+    return lambda x: torch.tanh(torch.tanh(x @ w1.T) @ w2.T)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_per_sample_jacobians_match_torch_func(chunk_size):
+    w1, w2 = torch.randn(6, 4, dtype=D), torch.randn(5, 6, dtype=D)
+    x = torch.randn(7, 4, dtype=D)
+    f = _mlp(w1, w2)
+    ours = functx.vmap(functx.jacrev(f, chunk_size=chunk_size))(x)
+    assert_close(ours, tf.vmap(tf.jacrev(f))(x))
+    assert not ours.requires_grad
+
+
+def test_per_sample_jacobians_pytrees_argnums_aux_and_unbatched_inputs():
+    w = torch.randn(3, 4, dtype=D)
+    x = torch.randn(5, 4, dtype=D)
+
+    def f(w, x):
+        y = w @ x
+        return {"a": y.sin(), "b": (y.sum(), torch.ones(2, dtype=D))}, y.detach()
+
+    ours = functx.vmap(functx.jacrev(f, argnums=(0, 1), has_aux=True), in_dims=(None, 0))(w, x)
+    theirs = tf.vmap(tf.jacrev(f, argnums=(0, 1), has_aux=True), in_dims=(None, 0))(w, x)
+    assert_close(ours, theirs)
+
+
+def test_per_sample_hessians_and_detach_inside():
+    x = torch.randn(5, 4, dtype=D)
+    f = lambda v: (v.sin() * v.cos()).sum() + (v**3).prod()  # noqa: E731
+    assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
+    jac = functx.vmap(functx.jacrev(lambda v: v.detach() * v))(x)
+    assert_close(jac, torch.diag_embed(x))  # the detached factor is a constant here
+
+
+def test_per_sample_jacobians_keep_the_outside_graph():
+    w = torch.randn(4, 4, dtype=D, requires_grad=True)
+    x = torch.randn(3, 4, dtype=D)
+    f = lambda v: torch.tanh(w @ v)  # noqa: E731
+    ours = functx.vmap(functx.jacrev(f))(x)
+    theirs = tf.vmap(tf.jacrev(f))(x)
+    assert ours.requires_grad
+    assert_close(ours, theirs)
+    (g_ours,) = torch.autograd.grad(ours.pow(2).sum(), w)
+    (g_theirs,) = torch.autograd.grad(theirs.pow(2).sum(), w)
+    assert_close(g_ours, g_theirs)
+
+
+def test_vjp_inside_vmap_still_wraps():
+    """A user's vjp_fn can be called anywhere later, so vjp keeps the wrapping level."""
+    levels = []
+
+    def f(v):
+        levels.append(type(current_stack()[-1]))
+        return v.sin()
+
+    x = torch.randn(3, 4, dtype=D)
+    got = functx.vmap(lambda v: functx.vjp(f, v)[1](torch.ones(4, dtype=D))[0])(x)
+    assert_close(got, x.cos())
+    assert levels == [GradInterpreter]
