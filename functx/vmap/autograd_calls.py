@@ -38,6 +38,17 @@ def _as_tuple(x):
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+def route_backward(interp, func, args, kwargs):
+    """`.backward()` on a tensor tracked through its physical value: there is no `.grad`
+    to fill per element, so say what works instead (torch.func refuses too)."""
+    if interp.physical_grad is not None and _tracked_physically(interp, args[0]):
+        raise RuntimeError(
+            "functx: .backward() inside vmap(grad(f)) is not supported (there is no per-element "
+            ".grad to accumulate into); use torch.autograd.grad(output, inputs) or functx.grad."
+        )
+    return func(*args, **kwargs)
+
+
 def route_autograd_grad(interp, func, args, kwargs):
     """Run a `torch.autograd.grad` call on `interp`'s physical values when its outputs are
     tracked there (inside a physical grad level); otherwise hand it on unchanged."""

@@ -6,7 +6,7 @@ Random ops on values that are not batched at this level — factories such as
 never reach the dispatcher through a BatchedTensor, so a TorchFunctionMode, pushed for
 the duration of each vmap call, intercepts them. It costs one dictionary lookup for
 every other torch call. The same mode also routes two non-random calls: indexing with
-batched 0-dim integer tensors and `torch.autograd.grad` (autograd_calls.py).
+batched 0-dim integer tensors, and `torch.autograd.grad` / `.backward()` (autograd_calls.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..core.level_tensor import LevelTensor
-from .autograd_calls import route_autograd_grad
+from .autograd_calls import route_autograd_grad, route_backward
 
 RANDOMNESS_MODES = ("error", "different", "same")
 
@@ -92,6 +92,8 @@ class RandomnessMode(TorchFunctionMode):
             return _index_with_tensor_scalars(func, args, kwargs)
         if kind == "autograd":
             return route_autograd_grad(self.interp, func, args, kwargs)
+        if kind == "backward":
+            return route_backward(self.interp, func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
 
 
@@ -161,11 +163,12 @@ def _index_with_tensor_scalars(func, args, kwargs):
 
 
 # Not random, but also seen here: indexing by batched 0-dim integer tensors (above), and
-# `torch.autograd.grad` inside `vmap(grad(f))` (autograd_calls.py).
+# `torch.autograd.grad` / `.backward()` inside `vmap(grad(f))` (autograd_calls.py).
 _RANDOM_FUNCS = {
     torch.Tensor.__getitem__: "index",
     torch.Tensor.__setitem__: "index",
     torch.autograd.grad: "autograd",
+    torch.Tensor.backward: "backward",
 }
 for _f in (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal):
     _RANDOM_FUNCS[_f] = "factory"
