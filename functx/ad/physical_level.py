@@ -1,6 +1,8 @@
-"""A `grad` directly inside `vmap`, run by plain torch autograd on vmap's physical tensors.
+"""A `grad` or `jacrev` directly inside `vmap`, run by plain torch autograd on vmap's
+physical tensors.
 
-Per-sample gradients (`vmap(grad(loss))`) and MAML's inner steps open a grad level right on
+Per-sample gradients (`vmap(grad(loss))`), per-sample Jacobians and Hessians
+(`vmap(jacrev(f))`, `vmap(hessian(f))`) and MAML's inner steps open a grad level right on
 top of a vmap level. A wrapping grad level (grad_level.py) would send every op, forward and
 backward, through two Python dispatches (its own, then vmap's). But under vmap the batch
 elements cannot interact: the physical computation of a vmap level is the per-element
@@ -21,10 +23,11 @@ What the wrapping level gives for free is kept by hand, as on the outermost plai
   `stop_gradient` for a node that blocks this level's backward and lets every other
   backward through (so an outer level still sees the dependence).
 
-Used by `grad`/`grad_and_value` only when the vmap level is on top and every level below it
-is a plain grad level (the values are then plain tensors) and the inputs are real: a
-`vjp_fn` can be called later, under other levels, so `vjp` keeps the wrapping level; a
-grad nested inside this one wraps as usual.
+Used by `grad`/`grad_and_value` and `jacrev` only when the vmap level is on top and every
+level below it is a plain grad level (the values are then plain tensors) and the inputs are
+real. A user's `vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping
+level; jacrev calls its own `vjp_fn` in the two ways `vjp` below handles. A grad nested
+inside this one wraps as usual.
 
     >>> import torch, functx
     >>> x = torch.randn(3, 2)
