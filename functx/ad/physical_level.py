@@ -23,9 +23,10 @@ What the wrapping level gives for free is kept by hand, as on the outermost plai
   `stop_gradient` for a node that blocks this level's backward and lets every other
   backward through (so an outer level still sees the dependence).
 
-Used by `grad`/`grad_and_value` and `jacrev` only when the vmap level is on top and every
-level below it is a plain grad level (the values are then plain tensors) and the inputs are
-real. A user's `vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping
+Used by `grad`/`grad_and_value` (under one or more vmap levels) and `jacrev` (under one)
+only when the levels under it are vmap levels over at most plain grad levels (the values
+under the wrappers are then plain tensors) and the inputs are real. Under several vmap
+levels the physical tensors carry every level's batch dim, outermost first. A user's `vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping
 level; jacrev calls its own `vjp_fn` in the two ways `vjp` below handles. A grad nested
 inside this one wraps as usual.
 
@@ -49,52 +50,79 @@ from .plain_level import PlainGradLevel
 
 
 class PhysicalGradLevel(PlainGradLevel):
-    """A grad level run by plain autograd on the physical tensors of `vmap_level`: the
-    plain level's seal and export, on the tensors under this vmap level's wrappers."""
+    """A grad level run by plain autograd on the physical tensors under `vmap_levels` (the
+    vmap levels on top of the stack, innermost last): the plain level's seal and export,
+    on the plain tensors under those levels' wrappers. Each tensor of the function is a
+    chain of BatchedTensors, one per level where it is batched, over a plain tensor."""
 
     kind = "grad (plain autograd under vmap)"
-    __slots__ = ("vmap_level", "in_backward", "_outer")
+    __slots__ = ("vmap_levels", "in_backward", "_outer")
 
-    def __init__(self, vmap_level: VmapInterpreter):
+    def __init__(self, vmap_levels):
         super().__init__()
-        self.vmap_level = vmap_level
+        self.vmap_levels = tuple(vmap_levels)
         self.in_backward = False
-        self._outer = None
+        self._outer = ()
 
     def pushed(self):
-        # the vmap level's detach rule asks its physical grad level (see stop_gradient)
-        self._outer, self.vmap_level.physical_grad = self.vmap_level.physical_grad, self
+        # The vmap levels' detach rules and `requires_grad` ask their physical grad level.
+        self._outer = tuple(v.physical_grad for v in self.vmap_levels)
+        for v in self.vmap_levels:
+            v.physical_grad = self
 
     def popped(self):
-        self.vmap_level.physical_grad = self._outer
+        for v, outer in zip(self.vmap_levels, self._outer):
+            v.physical_grad = outer
 
     @staticmethod
-    def applies(stack, differentiated) -> bool:
-        """Whether a grad opened over `stack` on inputs `differentiated` can run here."""
-        top = stack[-1]
-        if type(top) is not VmapInterpreter:
-            return False
-        for level in stack[:-1]:
-            if type(level) is not PlainGradLevel:
-                return False
+    def over(stack, differentiated):
+        """The vmap levels a grad opened over `stack` on inputs `differentiated` can run
+        under, or None: the stack must be vmap levels over outermost plain grad levels,
+        and the inputs real tensors over plain values."""
+        vmap_levels = []
+        for level in reversed(stack):
+            if type(level) is not VmapInterpreter:
+                break
+            vmap_levels.append(level)
+        if not vmap_levels or any(type(level) is not PlainGradLevel for level in stack[: len(stack) - len(vmap_levels)]):
+            return None
+        vmap_levels.reverse()
         for x in optree.tree_leaves(differentiated):
             if isinstance(x, torch.Tensor):
-                value = x._value if type(x) is BatchedTensor and x._interp is top else x
-                if isinstance(value, LevelTensor) or value.is_complex():
-                    return False
-        return True
+                while type(x) is BatchedTensor and x._interp in vmap_levels:
+                    x = x._value
+                if isinstance(x, LevelTensor) or x.is_complex():
+                    return None
+        return vmap_levels
 
-    def leaf(self, x: torch.Tensor) -> torch.Tensor:
-        vmap_level = self.vmap_level
-        if type(x) is BatchedTensor and x._interp is vmap_level:
-            physical = x._value
-        else:  # unbatched: one copy per element (a view), so its gradient is per element
-            physical = x.expand(vmap_level.batch_size, *x.shape)
-        return BatchedTensor(self._autograd_leaf(physical), vmap_level)
-
+    # -- between the levels' wrappers and the physical tensors -------------------------
     def _tracked(self, x):
-        vmap_level = self.vmap_level
-        return x._value if type(x) is BatchedTensor and x._interp is vmap_level else x
+        """The plain tensor under `x`'s wrappers of these levels."""
+        levels = self.vmap_levels
+        while type(x) is BatchedTensor and x._interp in levels:
+            x = x._value
+        return x
+
+    def _batched_everywhere(self, x):
+        """The plain tensor of `x` batched at every level (batch dims outermost level
+        first): a level where `x` is not batched gets its batch dim by an expand, made
+        through the levels below so it is a view of what they hold."""
+        for level in reversed(self.vmap_levels):
+            if type(x) is BatchedTensor and x._interp is level:
+                x = x._value
+            else:
+                x = x.expand(level.batch_size, *x.shape)
+        return x
+
+    def _wrap(self, physical):
+        for level in self.vmap_levels:
+            physical = BatchedTensor(physical, level)
+        return physical
+
+    # -- the grad level's side of grad/jacrev ------------------------------------------
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
+        # batched everywhere: the gradient of an unbatched input comes out per element
+        return self._wrap(self._autograd_leaf(self._batched_everywhere(x)))
 
     def gradient(self, output, leaves):
         """d output / d leaves, per batch element (output: this level's scalar)."""
@@ -104,20 +132,20 @@ class PhysicalGradLevel(PlainGradLevel):
 
     def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
         """Cotangents of `leaves`, per batch element. Besides `gradient`, only jacrev calls
-        it (its `vjp_fn`), in two ways: with one cotangent row (this vmap level's tensors
-        or plain ones), or under a vmap `rows` opened right on top of this vmap level over
-        a batch of rows. Then the backward runs on the physical tensors with the
+        it (its `vjp_fn`), in two ways: with one cotangent row (these levels' tensors or
+        plain ones), or under a vmap `rows` opened right on top over a batch of rows (one
+        vmap level below only). Then the backward runs on the physical tensors with the
         cotangents batched at `rows`: the engine's derivative formulas go through `rows`'
-        batching rules once per op and meet plain saved tensors, whose shapes (this
-        level's batch dim first) are what `rows` sees as logical."""
-        vmap_level = self.vmap_level
+        batching rules once per op and meet plain saved tensors, whose shapes (the batch
+        dim first) are what `rows` sees as logical."""
         with functx_code():
             rows = None
             for c in cotangents:
-                if isinstance(c, LevelTensor) and c._interp is not vmap_level:
+                if isinstance(c, LevelTensor) and c._interp not in self.vmap_levels:
                     rows = c._interp
             if rows is not None:
-                assert type(rows) is VmapInterpreter and current_stack()[-2:] == (vmap_level, rows), "only as jacrev calls it"
+                assert len(self.vmap_levels) == 1 and type(rows) is VmapInterpreter, "only as jacrev calls it"
+                assert current_stack()[-2:] == (self.vmap_levels[0], rows), "only as jacrev calls it"
             pairs = []
             for out, cot in zip(outputs, cotangents):
                 out = self._tracked(out)
@@ -125,35 +153,57 @@ class PhysicalGradLevel(PlainGradLevel):
                     continue  # an output independent of the (per-element) leaves adds nothing
                 pairs.append((out, self._physical_cotangent(cot, out, rows)))
             physical_leaves = [self._tracked(x) for x in leaves]
-        grads = [None] * len(physical_leaves)
-        if pairs:
-            self.in_backward = True  # `detach` inside the function holds for this backward
-            try:
-                grads = torch.autograd.grad(
-                    [o for o, _ in pairs], physical_leaves, [c for _, c in pairs],
-                    create_graph=create_graph, retain_graph=retain_graph, allow_unused=True,
-                )
-            finally:
-                self.in_backward = False
+        grads = self._backward(pairs, physical_leaves, create_graph=create_graph, retain_graph=retain_graph)
         with functx_code():
             results = []
             for g, leaf in zip(grads, physical_leaves):
                 if g is None:
                     g = torch.zeros_like(leaf)
                 if type(g) is BatchedTensor and g._interp is rows:  # back to rows over this level
-                    results.append(BatchedTensor(BatchedTensor(g._value.movedim(1, 0), vmap_level), rows))
+                    results.append(BatchedTensor(self._wrap(g._value.movedim(1, 0)), rows))
                 else:
-                    results.append(BatchedTensor(g, vmap_level))
+                    results.append(self._wrap(g))
             return results
+
+    def user_autograd_grad(self, outputs, inputs, grad_outputs, **options):
+        """`torch.autograd.grad` called by the function on these levels' tensors (routed
+        here by vmap's TorchFunctionMode, see vmap/autograd_calls.py)."""
+        with functx_code():
+            pairs = []
+            for out, g in zip(outputs, grad_outputs):
+                physical = self._tracked(out)
+                if g is None:
+                    if out.numel() != 1:
+                        raise RuntimeError("grad can be implicitly created only for scalar outputs")
+                    g = torch.ones((), dtype=out.dtype, device=out.device)
+                pairs.append((physical, self._physical_cotangent(g, physical, None)))
+            # An unbatched input that autograd tracks makes the wrappers record too (the
+            # outputs' wrappers then require grad and the call is not routed here), so a
+            # plain input here does not reach the outputs physically.
+            physical_inputs = [self._tracked(x) for x in inputs]
+        grads = self._backward(pairs, physical_inputs, **options)
+        with functx_code():
+            return tuple(None if g is None else self._wrap(g) for g in grads)
+
+    def _backward(self, pairs, physical_inputs, **options):
+        if not pairs:
+            return [None] * len(physical_inputs)
+        was_in_backward, self.in_backward = self.in_backward, True  # `detach` inside f holds here
+        try:
+            return torch.autograd.grad(
+                [o for o, _ in pairs], physical_inputs, [c for _, c in pairs], **{"allow_unused": True, **options}
+            )
+        finally:
+            self.in_backward = was_in_backward
 
     def _physical_cotangent(self, cot, out, rows):
         """`cot` for the physical output `out`; with `rows`, batched at rows, rows' batch
         dim first and this level's second."""
-        vmap_level = self.vmap_level
         if rows is None:
-            if type(cot) is BatchedTensor and cot._interp is vmap_level:
-                return cot._value
-            return cot.expand(out.shape)  # the same cotangent for every element
+            if self._tracked(cot).shape == out.shape:
+                return self._tracked(cot)
+            return self._batched_everywhere(cot).expand(out.shape)  # expanded where not batched
+        (vmap_level,) = self.vmap_levels
         value = cot._value if type(cot) is BatchedTensor and cot._interp is rows else cot.expand(rows.batch_size, *cot.shape)
         if type(value) is BatchedTensor and value._interp is vmap_level:
             value = value._value.movedim(0, 1)
@@ -163,15 +213,19 @@ class PhysicalGradLevel(PlainGradLevel):
 
     def _detached(self, x):
         # not `x.detach()`: while this level is open, vmap's detach rule stops only its gradient
-        if type(x) is BatchedTensor and x._interp is self.vmap_level:
-            return BatchedTensor(x._value.detach(), self.vmap_level) if x._value.requires_grad else x
+        if type(x) is BatchedTensor and x._interp in self.vmap_levels:
+            return BatchedTensor(self._detached(x._value), x._interp)
         return super()._detached(x)
+
+    def stops_gradient_at(self, vmap_level) -> bool:
+        """Whether `vmap_level`'s detach rule must ask `stop_gradient` (the innermost
+        values are under the first level; the others pass `detach` down to it)."""
+        return vmap_level is self.vmap_levels[0]
 
     def stop_gradient(self, physical: torch.Tensor) -> torch.Tensor:
         """`physical.detach()` as this level sees it: constant for its gradient, unchanged
         for the levels below (an outer grad still differentiates through it)."""
         return apply_original(_StopGradientHere, physical, self)
-
 
 
 class _StopGradientHere(torch.autograd.Function):

@@ -23,18 +23,20 @@ from .physical_level import PhysicalGradLevel
 from .plain_level import PlainGradLevel, is_differentiated
 
 
-def _new_grad_level(differentiated, physical_ok=False):
-    """The outermost grad level runs on plain autograd (plain_level.py); a `grad` right
-    inside vmap over plain tensors runs on vmap's physical tensors (physical_level.py,
-    `physical_ok`); any other wraps.
+def _new_grad_level(differentiated, physical=None):
+    """The outermost grad level runs on plain autograd (plain_level.py); right inside vmap
+    over plain tensors, a level for `physical="grad"` (under any number of vmap levels) or
+    `"jacrev"` (under one) runs on vmap's physical tensors (physical_level.py); any other
+    wraps.
 
     Complex inputs keep the wrapped level: a plain complex tensor that requires grad can
     reach an inner level's op with a lazy conj bit, and torch materializes that bit below
     autograd, cutting the plain graph (vjp of vjp of `torch.polar` w.r.t. the cotangent)."""
     stack = current_stack()
     if stack:
-        if physical_ok and PhysicalGradLevel.applies(stack, differentiated):
-            return PhysicalGradLevel(stack[-1])
+        vmap_levels = PhysicalGradLevel.over(stack, differentiated) if physical else None
+        if vmap_levels is not None and (physical == "grad" or len(vmap_levels) == 1):
+            return PhysicalGradLevel(vmap_levels)
         return GradInterpreter()
     for leaf in optree.tree_leaves(differentiated):
         if isinstance(leaf, torch.Tensor) and leaf.is_complex():
@@ -50,15 +52,15 @@ def _split_aux(output, has_aux: bool, api: str):
     return output
 
 
-def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical_ok=False):
+def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical=None):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
-    returns cotangents shaped like the differentiated arguments. `physical_ok`: the caller
-    calls `vjp_fn` only as jacrev does (see PhysicalGradLevel.vjp), so right inside vmap
-    the level may run on vmap's physical tensors."""
+    returns cotangents shaped like the differentiated arguments. `physical="jacrev"`: the
+    caller calls `vjp_fn` only as jacrev does (see PhysicalGradLevel.vjp), so right inside
+    vmap the level may run on vmap's physical tensors."""
     with functx_code():
         differentiated = args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api))
-        level = _new_grad_level(differentiated, physical_ok)
+        level = _new_grad_level(differentiated, physical)
     with interpreting(level), recording():
         with functx_code():
             if argnums is None:
@@ -144,7 +146,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
     def wrapper(*args, **kwargs):
         with functx_code():
             checked = check_argnums(argnums, len(args), api)
-            level = _new_grad_level(select_argnums(args, checked), physical_ok=True)
+            level = _new_grad_level(select_argnums(args, checked), physical="grad")
         with interpreting(level), recording():
             with functx_code():
                 diff = make_differentiable(select_argnums(args, checked), level, api)
@@ -249,7 +251,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         api = "jacrev(f, argnums)"
-        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical_ok=True)
+        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical="jacrev")
         flat_out, out_spec = optree.tree_flatten(output)
         for out in flat_out:
             if out.is_complex():

@@ -30,7 +30,7 @@ def _tracked_physically(interp, t) -> bool:
         type(t) is BatchedTensor
         and t._interp is interp
         and not wrapper_requires_grad(t)
-        and t._value.requires_grad
+        and interp.physical_grad._tracked(t).requires_grad
     )
 
 
@@ -50,14 +50,11 @@ def route_backward(interp, func, args, kwargs):
 
 
 def route_autograd_grad(interp, func, args, kwargs):
-    """Run a `torch.autograd.grad` call on `interp`'s physical values when its outputs are
-    tracked there (inside a physical grad level); otherwise hand it on unchanged."""
+    """Hand a `torch.autograd.grad` call to `interp`'s physical grad level when its outputs
+    are tracked there; otherwise on, unchanged."""
     if interp.physical_grad is None:
         return func(*args, **kwargs)
-    return _physical_grad(interp, func, args, kwargs)
 
-
-def _physical_grad(interp, func, args, kwargs):
     def parse(
         outputs,
         inputs,
@@ -69,12 +66,15 @@ def _physical_grad(interp, func, args, kwargs):
         is_grads_batched=False,
         materialize_grads=False,
     ):
-        return outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, is_grads_batched, materialize_grads
+        options = {
+            "retain_graph": retain_graph,
+            "create_graph": create_graph,
+            "allow_unused": allow_unused,
+            "materialize_grads": materialize_grads,
+        }
+        return _as_tuple(outputs), _as_tuple(inputs), grad_outputs, is_grads_batched, options
 
-    outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, is_grads_batched, materialize_grads = parse(
-        *args, **kwargs
-    )
-    outputs, inputs = _as_tuple(outputs), _as_tuple(inputs)
+    outputs, inputs, grad_outputs, is_grads_batched, options = parse(*args, **kwargs)
     if not any(_tracked_physically(interp, o) for o in outputs):
         return func(*args, **kwargs)
     if is_grads_batched:
@@ -82,39 +82,5 @@ def _physical_grad(interp, func, args, kwargs):
             "torch.autograd.grad(..., is_grads_batched=True) inside functx.vmap(functx.grad(f)) is "
             "not supported: use functx.vmap over a functx.vjp instead."
         )
-    # An unbatched input that autograd tracks makes the wrapper level record too (the
-    # outputs' wrappers then require grad and the call is not routed here), so the inputs
-    # that reach here as plain tensors do not reach the outputs physically.
-    physical_inputs = [x._value if type(x) is BatchedTensor and x._interp is interp else x for x in inputs]
-    if grad_outputs is None:
-        grad_outputs = (None,) * len(outputs)
-    else:
-        grad_outputs = _as_tuple(grad_outputs)
-    physical_outputs, physical_grad_outputs = [], []
-    for out, g in zip(outputs, grad_outputs):
-        physical = out._value if type(out) is BatchedTensor and out._interp is interp else out
-        if g is None:
-            if out.numel() != 1:
-                raise RuntimeError("grad can be implicitly created only for scalar outputs")
-            g = torch.ones_like(physical)
-        elif type(g) is BatchedTensor and g._interp is interp:
-            g = g._value
-        elif physical is not out:  # an unbatched cotangent for a batched output
-            g = g.expand(physical.shape)
-        physical_outputs.append(physical)
-        physical_grad_outputs.append(g)
-    level = interp.physical_grad
-    was_in_backward, level.in_backward = level.in_backward, True  # `detach` inside f holds here too
-    try:
-        grads = torch.autograd.grad(
-            physical_outputs,
-            physical_inputs,
-            physical_grad_outputs,
-            retain_graph=retain_graph,
-            create_graph=create_graph,
-            allow_unused=allow_unused,
-            materialize_grads=materialize_grads,
-        )
-    finally:
-        level.in_backward = was_in_backward
-    return tuple(None if g is None else BatchedTensor(g, interp) for g in grads)
+    grad_outputs = (None,) * len(outputs) if grad_outputs is None else _as_tuple(grad_outputs)
+    return interp.physical_grad.user_autograd_grad(outputs, inputs, grad_outputs, **options)

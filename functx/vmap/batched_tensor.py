@@ -61,8 +61,9 @@ class VmapInterpreter(Interpreter):
         super().__init__()
         self.batch_size = batch_size
         self.randomness = randomness
-        # A grad level running on this level's physical tensors (ad/physical_level.py),
-        # while one is open: `detach` then cuts that level's gradient only.
+        # A grad level running on the physical tensors under this level (and maybe the
+        # vmap levels below: ad/physical_level.py), while one is open: `detach` then cuts
+        # that level's gradient only, and `requires_grad` reads the physical value.
         self.physical_grad = None
 
     def process(self, op, args, kwargs):

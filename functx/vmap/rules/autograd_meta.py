@@ -39,6 +39,6 @@ def _detach(interp, x):
     # user code's `detach` is at that level: cut its gradient only, not the outer levels'.
     value = x._value
     level = interp.physical_grad
-    if level is not None and value.requires_grad:
+    if level is not None and level.stops_gradient_at(interp) and value.requires_grad:
         return interp.wrap(level.stop_gradient(value))
     return interp.wrap(value.detach())
