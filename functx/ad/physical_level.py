@@ -26,9 +26,10 @@ What the wrapping level gives for free is kept by hand, as on the outermost plai
 Used by `grad`/`grad_and_value` (under one or more vmap levels) and `jacrev` (under one)
 only when the levels under it are vmap levels over at most plain grad levels (the values
 under the wrappers are then plain tensors) and the inputs are real. Under several vmap
-levels the physical tensors carry every level's batch dim, outermost first. A user's `vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping
-level; jacrev calls its own `vjp_fn` in the two ways `vjp` below handles. A grad nested
-inside this one wraps as usual.
+levels the physical tensors carry every level's batch dim, outermost first. A user's
+`vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping level; jacrev
+calls its own `vjp_fn` in the two ways `vjp` below handles. A grad nested inside this one
+wraps as usual.
 
     >>> import torch, functx
     >>> x = torch.randn(3, 2)
