@@ -1,4 +1,4 @@
-"""Every composition up to depth 3 of {vmap, grad, vjp, jvp}, functx against torch.func.
+"""Every composition up to depth 3 of {vmap, grad, vjp, jvp, jacrev}, functx against torch.func.
 
 Each transform maps a function Tensor -> Tensor to another such function, so the same
 chain can be built from functx and from torch.func (the oracle) and compared in float64.
@@ -47,10 +47,12 @@ def transforms(lib):
         "grad": lambda f: lambda x: lib.grad(lambda y: f(y).sum())(x),
         "vjp": lambda f: lambda x: lib.vjp(f, x)[1](torch.ones_like(f(x)))[0],
         "jvp": lambda f: lambda x: lib.jvp(f, (x,), (torch.full_like(x, TANGENT_SCALE),))[1],
+        # rows of the Jacobian weighted by their index, so a wrong row order shows
+        "jacrev": lambda f: lambda x: torch.einsum("o...,o->...", lib.jacrev(f)(x), torch.arange(1.0, f(x).shape[0] + 1, dtype=D)),
     }
 
 
-CHAINS = [c for depth in (1, 2, 3) for c in itertools.product(("vmap", "grad", "vjp", "jvp"), repeat=depth)]
+CHAINS = [c for depth in (1, 2, 3) for c in itertools.product(("vmap", "grad", "vjp", "jvp", "jacrev"), repeat=depth)]
 
 
 @pytest.mark.parametrize("function", sorted(FUNCTIONS))
