@@ -97,7 +97,7 @@ class PhysicalGradLevel(PlainGradLevel):
         return vmap_levels
 
     # -- between the levels' wrappers and the physical tensors -------------------------
-    def _tracked(self, x):
+    def tracked(self, x):
         """The plain tensor under `x`'s wrappers of these levels."""
         levels = self.vmap_levels
         while type(x) is BatchedTensor and x._interp in levels:
@@ -149,11 +149,11 @@ class PhysicalGradLevel(PlainGradLevel):
                 assert current_stack()[-2:] == (self.vmap_levels[0], rows), "only as jacrev calls it"
             pairs = []
             for out, cot in zip(outputs, cotangents):
-                out = self._tracked(out)
+                out = self.tracked(out)
                 if not out.requires_grad:
                     continue  # an output independent of the (per-element) leaves adds nothing
                 pairs.append((out, self._physical_cotangent(cot, out, rows)))
-            physical_leaves = [self._tracked(x) for x in leaves]
+            physical_leaves = [self.tracked(x) for x in leaves]
         grads = self._backward(pairs, physical_leaves, create_graph=create_graph, retain_graph=retain_graph)
         with functx_code():
             results = []
@@ -172,7 +172,7 @@ class PhysicalGradLevel(PlainGradLevel):
         with functx_code():
             pairs = []
             for out, g in zip(outputs, grad_outputs):
-                physical = self._tracked(out)
+                physical = self.tracked(out)
                 if g is None:
                     if out.numel() != 1:
                         raise RuntimeError("grad can be implicitly created only for scalar outputs")
@@ -181,7 +181,7 @@ class PhysicalGradLevel(PlainGradLevel):
             # An unbatched input that autograd tracks makes the wrappers record too (the
             # outputs' wrappers then require grad and the call is not routed here), so a
             # plain input here does not reach the outputs physically.
-            physical_inputs = [self._tracked(x) for x in inputs]
+            physical_inputs = [self.tracked(x) for x in inputs]
         grads = self._backward(pairs, physical_inputs, **options)
         with functx_code():
             return tuple(None if g is None else self._wrap(g) for g in grads)
@@ -201,8 +201,8 @@ class PhysicalGradLevel(PlainGradLevel):
         """`cot` for the physical output `out`; with `rows`, batched at rows, rows' batch
         dim first and this level's second."""
         if rows is None:
-            if self._tracked(cot).shape == out.shape:
-                return self._tracked(cot)
+            if self.tracked(cot).shape == out.shape:
+                return self.tracked(cot)
             return self._batched_everywhere(cot).expand(out.shape)  # expanded where not batched
         (vmap_level,) = self.vmap_levels
         value = cot._value if type(cot) is BatchedTensor and cot._interp is rows else cot.expand(rows.batch_size, *cot.shape)

@@ -63,13 +63,13 @@ class PlainGradLevel(Interpreter):
         leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
         return leaf
 
-    def _tracked(self, x):
+    def tracked(self, x):
         """The tensor autograd tracks for `x` (a subclass may keep it under a wrapper)."""
         return x
 
     def seal(self, outputs, leaves) -> None:
         """After the function ran: does its graph reach tensors tracked outside?"""
-        tracked = self._tracked
+        tracked = self.tracked
         self.reaches_outside = self.prev_grad_mode and _reaches_outside(
             [tracked(o) for o in outputs], [tracked(x) for x in leaves]
         )
@@ -84,7 +84,7 @@ class PlainGradLevel(Interpreter):
 
     def depends(self, output) -> bool:
         """Whether `output` depends on this level's differentiated inputs."""
-        return self._tracked(output).requires_grad
+        return self.tracked(output).requires_grad
 
     def export(self, tree):
         """Results as they leave the level (detached unless they must stay connected)."""

@@ -1,12 +1,14 @@
-"""`torch.autograd.grad` called by user code inside `vmap(grad(f))`.
+"""`torch.autograd.grad` and `.backward()` called by user code inside `vmap(grad(f))`.
 
 There, `grad` runs on plain autograd over vmap's physical tensors (ad/physical_level.py):
 the tensors user code holds are BatchedTensor wrappers that autograd does not track
 themselves; their physical values are. torch.func users call `torch.autograd.grad` on
 the inputs of a function under `grad` (a gradient penalty written by hand, an inner
-derivative), so vmap's TorchFunctionMode (randomness.py) sends the call here, and it
-runs on the physical values: the batch elements are independent, so the gradient of the
-summed outputs with respect to a physical input is every element's own gradient.
+derivative), so vmap's TorchFunctionMode (randomness.py) sends the call here and on to
+the physical grad level, which runs it on the physical values: the batch elements are
+independent, so the gradient of the summed outputs with respect to a physical input is
+every element's own gradient. `.backward()` has no per-element `.grad` to fill: it
+raises, naming `torch.autograd.grad`.
 
     >>> import torch, functx
     >>> def f(x):
@@ -30,7 +32,7 @@ def _tracked_physically(interp, t) -> bool:
         type(t) is BatchedTensor
         and t._interp is interp
         and not wrapper_requires_grad(t)
-        and interp.physical_grad._tracked(t).requires_grad
+        and interp.physical_grad.tracked(t).requires_grad
     )
 
 
