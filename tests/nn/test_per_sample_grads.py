@@ -1,7 +1,6 @@
 """Per-sample gradients: `vmap(grad(loss), in_dims=(None, 0, 0))` over functional_call
 equals a loop of torch.autograd.grad, one sample at a time, for common layers."""
 
-import warnings
 
 import pytest
 import torch
@@ -164,29 +163,39 @@ def test_gru_default_initial_state_beyond_torch_func():
         torch.func.vmap(torch.func.grad(lambda p, x: torch.func.functional_call(module, p, x[None]).sum()), in_dims=(None, 0))(params, x)
 
 
-def test_lstm_default_path_is_correct_through_per_sample_fallback(monkeypatch):
-    """On CPU with oneDNN enabled, LSTM runs aten::mkldnn_rnn_layer, which has no batching
-    rule: the per-sample fallback gives correct values and warns."""
-    from functx.vmap import fallback
-
-    monkeypatch.setattr(fallback, "_warned", set())  # it warns once per op and process
-    module = RNNOutput(nn.LSTM(4, 5, batch_first=True))
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+def test_lstm_default_path_is_vectorized(layers, bidirectional):
+    """On CPU with oneDNN enabled, LSTM runs aten::mkldnn_rnn_layer (and its backward):
+    batched by rules/nn_rnn.py, no per-sample fallback, under the physical grad level
+    (vmap(grad)) and under a wrapping one (vmap of vjp: the backward op's rule)."""
+    module = RNNOutput(nn.LSTM(4, 5, num_layers=layers, batch_first=True, bidirectional=bidirectional))
     x = torch.randn(BATCH, 3, 4)
-    targets = torch.randn(BATCH, 3, 5)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = functx_per_sample_grads(module, x, targets)
-    assert any("mkldnn_rnn_layer" in str(w.message) for w in caught)
+    targets = torch.randn(BATCH, 3, 5 * (2 if bidirectional else 1))
     expected = loop_per_sample_grads(module, x, targets)
+    with functx.vmap_fallback("error"):
+        ours = functx_per_sample_grads(module, x, targets)
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def by_vjp(x, target):
+            loss = lambda p: F.mse_loss(functx.functional_call(module, p, (x[None],)), target[None])  # noqa: E731
+            return functx.vjp(loss, params)[1](torch.tensor(1.0))[0]
+
+        wrapped = functx.vmap(by_vjp)(x, targets)
     for k in expected:
         assert_close(ours[k], expected[k], atol=1e-5, rtol=1e-4)
+        assert_close(wrapped[k], expected[k], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.xfail(reason="no batching rule for aten::mkldnn_rnn_layer (LSTM on CPU with oneDNN)", strict=True)
-def test_lstm_default_path_without_fallback():
-    module = RNNOutput(nn.LSTM(4, 5, batch_first=True))
+def test_ensemble_of_lstms_matches_a_loop():
+    """Batched weights (an ensemble): the LSTM layer runs with per-model weights."""
+    models = [nn.LSTM(4, 5, batch_first=True) for _ in range(3)]
+    params, buffers = functx.stack_module_state(models)
+    x = torch.randn(2, 6, 4)
+    base = nn.LSTM(4, 5, batch_first=True)
     with functx.vmap_fallback("error"):
-        functx_per_sample_grads(module, torch.randn(BATCH, 3, 4), torch.randn(BATCH, 3, 5))
+        ours = functx.vmap(lambda p, b: functx.functional_call(base, (p, b), (x,))[0], in_dims=(0, 0))(params, buffers)
+    for i, m in enumerate(models):
+        assert_close(ours[i], m(x)[0].detach())
 
 
 def test_per_sample_grads_of_small_cnn_classifier():

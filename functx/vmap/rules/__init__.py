@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     nn_misc,
     nn_norm,
     nn_pooling,
+    nn_rnn,
     pointwise,
     random,
     reductions,
