@@ -419,3 +419,19 @@ def test_jacrev_under_two_vmaps_wraps_and_matches():
     x = torch.randn(2, 3, 4, dtype=D)
     f = lambda v: v.sin() * v.sum()  # noqa: E731
     assert_close(functx.vmap(functx.vmap(functx.jacrev(f)))(x), tf.vmap(tf.vmap(tf.jacrev(f)))(x))
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm", "softmax"])
+def test_per_sample_hessians_through_normalizations(norm):
+    """vmap(hessian) through layer_norm used to fail on the wrapping level (the double
+    backward writes a batched value in place into an unbatched temporary); the physical
+    level runs that double backward on plain tensors."""
+    w = torch.randn(6, dtype=D)
+    ops = {
+        "layer_norm": lambda v: torch.nn.functional.layer_norm(v, (6,), w),
+        "group_norm": lambda v: torch.nn.functional.group_norm(v.view(1, 6, 1), 2, w).view(6),
+        "softmax": lambda v: (v * w).softmax(0),
+    }
+    f = lambda v: (ops[norm](v) ** 2 * torch.arange(6, dtype=D)).sum()  # noqa: E731
+    x = torch.randn(3, 6, dtype=D)
+    assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
