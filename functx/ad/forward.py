@@ -19,11 +19,12 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from ..core.errors import PerformanceWarning
-from ..core.interpreter import functx_code, interpreting
+from ..core.interpreter import current_stack, functx_code, interpreting
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums, unwrap_level
 from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
 from .grad_level import outside_inference_mode
+from .physical_level import PhysicalJvpLevel, vmap_levels_over_plain
 from .reverse import _split_aux, _vjp_with_argnums, grad
 
 _JVP = "jvp(f, primals, tangents)"
@@ -76,9 +77,11 @@ def _check_primals_tangents(primals, tangents, api):
 _NO_FORWARD_FORMULA = "Trying to use forward AD with"
 
 
-def _forward_jvp(func, primals, flat_tangents, has_aux, api):
+def _forward_jvp(func, primals, flat_tangents, has_aux, api, physical=False):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
-    output does not depend on the primals, output structure, aux)."""
+    output does not depend on the primals, output structure, aux). `physical`: right
+    inside vmap over plain tensors, the level may run on vmap's physical tensors
+    (physical_level.PhysicalJvpLevel)."""
     flat_primals, primals_spec = optree.tree_flatten(primals)
     for p in flat_primals:
         if not (p.is_floating_point() or p.is_complex()):
@@ -86,15 +89,26 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api):
                 f"{api}: only floating-point or complex primals have tangents, got a Tensor with "
                 f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
             )
-    with outside_inference_mode(), dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(JvpInterpreter()) as level:
+    with functx_code():
+        stack = current_stack()
+        vmap_levels = vmap_levels_over_plain(stack, (flat_primals, flat_tangents)) if physical and stack else None
+    level = JvpInterpreter() if vmap_levels is None else PhysicalJvpLevel(vmap_levels)
+    with outside_inference_mode(), dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():
-            duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
+            if vmap_levels is None:
+                duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
+            else:
+                duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]
         output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
         with functx_code():
             flat_out, out_spec = optree.tree_flatten(output)
             check_outputs(flat_out, output, api)
-            pairs = [unpack_dual(level, o) for o in flat_out]
-            aux = unwrap_level(aux, level)
+            if vmap_levels is None:
+                pairs = [unpack_dual(level, o) for o in flat_out]
+                aux = unwrap_level(aux, level)
+            else:
+                pairs = [level.unpack(o) for o in flat_out]
+                aux = optree.tree_map(lambda a: level.unpack(a)[0] if isinstance(a, torch.Tensor) else a, aux)
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
@@ -106,9 +120,9 @@ def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api):
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
 
-def _jvp_flat(func, primals, flat_tangents, has_aux, api):
+def _jvp_flat(func, primals, flat_tangents, has_aux, api, physical=False):
     try:
-        return _forward_jvp(func, primals, flat_tangents, has_aux, api)
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api, physical)
     except NotImplementedError as error:
         if _NO_FORWARD_FORMULA not in str(error):
             raise
@@ -133,7 +147,7 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
         True
     """
     flat_tangents = _check_primals_tangents(primals, tangents, _JVP)
-    flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP)
+    flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP, physical=True)
     if strict and any(t is None for t in flat_tangent_out):
         raise RuntimeError(
             "jvp(f, primals, tangents, strict=True): The output of f is independent of the inputs. "

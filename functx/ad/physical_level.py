@@ -1,5 +1,5 @@
-"""A `grad` or `jacrev` directly inside `vmap`, run by plain torch autograd on vmap's
-physical tensors.
+"""A `grad`, `jacrev` or `jvp` directly inside `vmap`, run by torch's autograd (reverse or
+forward) on vmap's physical tensors.
 
 Per-sample gradients (`vmap(grad(loss))`), per-sample Jacobians and Hessians
 (`vmap(jacrev(f))`, `vmap(hessian(f))`) and MAML's inner steps open a grad level right on
@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import optree
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from ..core.custom_function import apply_original
-from ..core.interpreter import current_stack, functx_code
+from ..core.interpreter import Interpreter, current_stack, functx_code
 from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
 from .plain_level import PlainGradLevel
@@ -75,55 +76,14 @@ class PhysicalGradLevel(PlainGradLevel):
         for v, outer in zip(self.vmap_levels, self._outer):
             v.physical_grad = outer
 
-    @staticmethod
-    def over(stack, differentiated):
-        """The vmap levels a grad opened over `stack` on inputs `differentiated` can run
-        under, or None: the stack must be vmap levels over outermost plain grad levels,
-        and the inputs real tensors over plain values."""
-        vmap_levels = []
-        for level in reversed(stack):
-            if type(level) is not VmapInterpreter:
-                break
-            vmap_levels.append(level)
-        if not vmap_levels or any(type(level) is not PlainGradLevel for level in stack[: len(stack) - len(vmap_levels)]):
-            return None
-        vmap_levels.reverse()
-        for x in optree.tree_leaves(differentiated):
-            if isinstance(x, torch.Tensor):
-                while type(x) is BatchedTensor and x._interp in vmap_levels:
-                    x = x._value
-                if isinstance(x, LevelTensor) or x.is_complex():
-                    return None
-        return vmap_levels
-
-    # -- between the levels' wrappers and the physical tensors -------------------------
     def tracked(self, x):
         """The plain tensor under `x`'s wrappers of these levels."""
-        levels = self.vmap_levels
-        while type(x) is BatchedTensor and x._interp in levels:
-            x = x._value
-        return x
-
-    def _batched_everywhere(self, x):
-        """The plain tensor of `x` batched at every level (batch dims outermost level
-        first): a level where `x` is not batched gets its batch dim by an expand, made
-        through the levels below so it is a view of what they hold."""
-        for level in reversed(self.vmap_levels):
-            if type(x) is BatchedTensor and x._interp is level:
-                x = x._value
-            else:
-                x = x.expand(level.batch_size, *x.shape)
-        return x
-
-    def _wrap(self, physical):
-        for level in self.vmap_levels:
-            physical = BatchedTensor(physical, level)
-        return physical
+        return peel(self.vmap_levels, x)
 
     # -- the grad level's side of grad/jacrev ------------------------------------------
     def leaf(self, x: torch.Tensor) -> torch.Tensor:
         # batched everywhere: the gradient of an unbatched input comes out per element
-        return self._wrap(self._autograd_leaf(self._batched_everywhere(x)))
+        return wrap_chain(self.vmap_levels, self._autograd_leaf(batched_everywhere(self.vmap_levels, x)))
 
     def gradient(self, output, leaves):
         """d output / d leaves, per batch element (output: this level's scalar)."""
@@ -161,9 +121,9 @@ class PhysicalGradLevel(PlainGradLevel):
                 if g is None:
                     g = torch.zeros_like(leaf)
                 if type(g) is BatchedTensor and g._interp is rows:  # back to rows over this level
-                    results.append(BatchedTensor(self._wrap(g._value.movedim(1, 0)), rows))
+                    results.append(BatchedTensor(wrap_chain(self.vmap_levels, g._value.movedim(1, 0)), rows))
                 else:
-                    results.append(self._wrap(g))
+                    results.append(wrap_chain(self.vmap_levels, g))
             return results
 
     def user_autograd_grad(self, outputs, inputs, grad_outputs, **options):
@@ -184,7 +144,7 @@ class PhysicalGradLevel(PlainGradLevel):
             physical_inputs = [self.tracked(x) for x in inputs]
         grads = self._backward(pairs, physical_inputs, **options)
         with functx_code():
-            return tuple(None if g is None else self._wrap(g) for g in grads)
+            return tuple(None if g is None else wrap_chain(self.vmap_levels, g) for g in grads)
 
     def _backward(self, pairs, physical_inputs, **options):
         if not pairs:
@@ -203,7 +163,7 @@ class PhysicalGradLevel(PlainGradLevel):
         if rows is None:
             if self.tracked(cot).shape == out.shape:
                 return self.tracked(cot)
-            return self._batched_everywhere(cot).expand(out.shape)  # expanded where not batched
+            return batched_everywhere(self.vmap_levels, cot).expand(out.shape)  # expanded where not batched
         (vmap_level,) = self.vmap_levels
         value = cot._value if type(cot) is BatchedTensor and cot._interp is rows else cot.expand(rows.batch_size, *cot.shape)
         if type(value) is BatchedTensor and value._interp is vmap_level:
@@ -243,3 +203,118 @@ class _StopGradientHere(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None if ctx.level.in_backward else grad), None
+
+
+
+class PhysicalJvpLevel(Interpreter):
+    """A `jvp` right inside vmap levels over plain tensors, run by torch's forward AD on
+    the physical tensors: the same argument as for grad (each element's tangent is the
+    tangent of the physical computation), and the function's ops make one Python dispatch
+    each, with torch's forward formulas in C++. Primals get every level's batch dim as a
+    copy, not an expand: each element's tangent needs its own memory under the primal.
+    `detach()` inside drops this level's tangent only (an outer grad still sees through).
+    A jvp or grad nested inside wraps as usual."""
+
+    kind = "jvp (forward AD under vmap)"
+    __slots__ = ("vmap_levels", "_outer")
+
+    def __init__(self, vmap_levels):
+        super().__init__()
+        self.vmap_levels = tuple(vmap_levels)
+        self._outer = ()
+
+    def pushed(self):
+        self._outer = tuple(v.physical_jvp for v in self.vmap_levels)
+        for v in self.vmap_levels:
+            v.physical_jvp = self
+
+    def popped(self):
+        for v, outer in zip(self.vmap_levels, self._outer):
+            v.physical_jvp = outer
+
+    def dual(self, primal, tangent):
+        """The function's input for `primal` with `tangent` (this level's tensors)."""
+        levels = self.vmap_levels
+        physical = batched_everywhere(levels, primal)
+        if any(stride == 0 for stride in physical.stride()[: len(levels)]):
+            physical = physical.clone()  # an expanded batch dim: give each element its memory
+        return wrap_chain(levels, torch._make_dual(physical, batched_everywhere(levels, tangent), level=fwAD._current_level))
+
+    def unpack(self, x):
+        """`(primal, tangent or None)` of a result, without this level's tangents."""
+        physical = peel(self.vmap_levels, x)
+        if not isinstance(physical, torch.Tensor):
+            return x, None
+        primal, tangent = fwAD.unpack_dual(physical)
+        return (
+            rewrap_like(x, self.vmap_levels, primal),
+            None if tangent is None else rewrap_like(x, self.vmap_levels, tangent),
+        )
+
+    def stops_tangent_at(self, vmap_level) -> bool:
+        return vmap_level is self.vmap_levels[0]
+
+    def drop_tangent(self, physical):
+        """`physical.detach()` as this level sees it: no tangent, the reverse graph kept."""
+        return torch.ops.aten._fw_primal.default(physical, fwAD._current_level)
+
+    def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
+        raise AssertionError("a physical jvp level has no tensors of its own")
+
+
+# -- between vmap levels' wrappers and the physical tensors under them ----------------------
+def vmap_levels_over_plain(stack, tensors):
+    """The vmap levels on top of `stack` (innermost last) when everything under them is
+    plain: below them only outermost plain grad levels, and `tensors` real tensors over
+    plain values. None otherwise."""
+    vmap_levels = []
+    for level in reversed(stack):
+        if type(level) is not VmapInterpreter:
+            break
+        vmap_levels.append(level)
+    if not vmap_levels or any(type(level) is not PlainGradLevel for level in stack[: len(stack) - len(vmap_levels)]):
+        return None
+    vmap_levels.reverse()
+    for x in optree.tree_leaves(tensors):
+        if isinstance(x, torch.Tensor):
+            x = peel(vmap_levels, x)
+            if isinstance(x, LevelTensor) or x.is_complex():
+                return None
+    return vmap_levels
+
+
+def peel(vmap_levels, x):
+    """The tensor under `x`'s wrappers of `vmap_levels`."""
+    while type(x) is BatchedTensor and x._interp in vmap_levels:
+        x = x._value
+    return x
+
+
+def batched_everywhere(vmap_levels, x):
+    """The plain tensor of `x` batched at every level (batch dims outermost level first):
+    a level where `x` is not batched gets its batch dim by an expand, made through the
+    levels below so it is a view of what they hold."""
+    for level in reversed(vmap_levels):
+        if type(x) is BatchedTensor and x._interp is level:
+            x = x._value
+        else:
+            x = x.expand(level.batch_size, *x.shape)
+    return x
+
+
+def wrap_chain(vmap_levels, physical):
+    """`physical` (batched at every level) as the innermost level's tensor."""
+    for level in vmap_levels:
+        physical = BatchedTensor(physical, level)
+    return physical
+
+
+def rewrap_like(like, vmap_levels, physical):
+    """`physical` under the same chain of `vmap_levels`' wrappers as `like` has."""
+    chain = []
+    while type(like) is BatchedTensor and like._interp in vmap_levels:
+        chain.append(like._interp)
+        like = like._value
+    for level in reversed(chain):
+        physical = BatchedTensor(physical, level)
+    return physical

@@ -19,7 +19,7 @@ from .arguments import (
     unwrap_level,
 )
 from .grad_level import GradInterpreter, recording
-from .physical_level import PhysicalGradLevel
+from .physical_level import PhysicalGradLevel, vmap_levels_over_plain
 from .plain_level import PlainGradLevel, is_differentiated
 
 
@@ -34,7 +34,7 @@ def _new_grad_level(differentiated, physical=None):
     autograd, cutting the plain graph (vjp of vjp of `torch.polar` w.r.t. the cotangent)."""
     stack = current_stack()
     if stack:
-        vmap_levels = PhysicalGradLevel.over(stack, differentiated) if physical else None
+        vmap_levels = vmap_levels_over_plain(stack, differentiated) if physical else None
         if vmap_levels is not None and (physical == "grad" or len(vmap_levels) == 1):
             return PhysicalGradLevel(vmap_levels)
         return GradInterpreter()

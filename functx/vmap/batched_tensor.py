@@ -55,7 +55,7 @@ class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
     kind = "vmap"
-    __slots__ = ("batch_size", "randomness", "physical_grad")
+    __slots__ = ("batch_size", "randomness", "physical_grad", "physical_jvp")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -65,6 +65,8 @@ class VmapInterpreter(Interpreter):
         # vmap levels below: ad/physical_level.py), while one is open: `detach` then cuts
         # that level's gradient only, and `requires_grad` reads the physical value.
         self.physical_grad = None
+        # Likewise a jvp level on the physical tensors: `detach` then drops its tangent only.
+        self.physical_jvp = None
 
     def process(self, op, args, kwargs):
         handler = VMAP_RULES.handler(op)

@@ -1,8 +1,8 @@
-"""`grad` right inside `vmap` runs on plain autograd over vmap's physical tensors
-(functx/ad/physical_level.py). These tests pin what that level must keep by hand: values
-equal to a per-sample loop and to torch.func, per-element gradients of unbatched inputs,
-what leaves the level attached or detached, `detach()` cutting this level only, outer
-`no_grad`, nesting, errors, and the stack after exceptions."""
+"""`grad`, `jacrev` and `jvp` right inside `vmap` run on torch's autograd over vmap's
+physical tensors (functx/ad/physical_level.py). These tests pin what those levels must
+keep by hand: values equal to a per-sample loop and to torch.func, per-element gradients
+of unbatched inputs, what leaves the level attached or detached, `detach()` cutting this
+level only, outer `no_grad`, nesting, errors, and the stack after exceptions."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 import functx
 from functx.ad.grad_level import GradInterpreter
-from functx.ad.physical_level import PhysicalGradLevel
+from functx.ad.physical_level import PhysicalGradLevel, PhysicalJvpLevel
 from functx.core.interpreter import current_stack
 
 D = torch.float64
@@ -435,3 +435,79 @@ def test_per_sample_hessians_through_normalizations(norm):
     f = lambda v: (ops[norm](v) ** 2 * torch.arange(6, dtype=D)).sum()  # noqa: E731
     x = torch.randn(3, 6, dtype=D)
     assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
+
+
+# -- jvp right inside vmap (PhysicalJvpLevel) -------------------------------------------------
+W_IN, W_OUT = torch.randn(6, 4, dtype=D), torch.randn(3, 6, dtype=D)
+
+
+def _f(x):
+    return torch.tanh(torch.tanh(x @ W_IN.T) @ W_OUT.T)
+
+
+JVP_CASES = {
+    "both_batched": lambda T, x, t: T.vmap(lambda x, t: T.jvp(_f, (x,), (t,)))(x, t),
+    "tangent_unbatched": lambda T, x, t: T.vmap(lambda x: T.jvp(_f, (x,), (t[0],)))(x),
+    "primal_unbatched": lambda T, x, t: T.vmap(lambda t: T.jvp(_f, (x[0],), (t,)))(t),
+    "pytree_aux": lambda T, x, t: T.vmap(
+        lambda x, t: T.jvp(lambda d: ({"a": _f(d["p"]), "b": d["p"].sum()}, d["p"] * 2), ({"p": x},), ({"p": t},), has_aux=True)
+    )(x, t),
+    "independent_output": lambda T, x, t: T.vmap(lambda x, t: T.jvp(lambda v: W_IN.sum() * torch.ones(2, dtype=D), (x,), (t,)))(x, t),
+    "hvp": lambda T, x, t: T.vmap(lambda x, t: T.jvp(T.grad(lambda v: _f(v).pow(2).sum()), (x,), (t,)))(x, t),
+    "jvp_of_jvp": lambda T, x, t: T.vmap(lambda x, t: T.jvp(lambda y: T.jvp(_f, (y,), (t,))[1], (x,), (t,)))(x, t),
+    "two_vmaps": lambda T, x, t: T.vmap(T.vmap(lambda x, t: T.jvp(_f, (x,), (t,))))(x.view(2, 2, 4), t.view(2, 2, 4)),
+    "grad_over_it": lambda T, x, t: T.grad(lambda x: T.vmap(lambda x, t: T.jvp(_f, (x,), (t,))[1])(x, t).pow(2).sum())(x),
+}
+
+
+@pytest.mark.parametrize("case", list(JVP_CASES))
+def test_vmap_of_jvp_matches_torch_func(case):
+    x, t = torch.randn(4, 4, dtype=D), torch.randn(4, 4, dtype=D)
+    assert_close(JVP_CASES[case](functx, x, t), JVP_CASES[case](tf, x, t))
+
+
+def test_vmap_of_jvp_uses_the_physical_level_and_restores_it():
+    seen = []
+
+    def f(v):
+        seen.append(type(current_stack()[-1]))
+        return v.sin()
+
+    x = torch.randn(3, 4, dtype=D)
+    _, tangent = functx.vmap(lambda v: functx.jvp(f, (v,), (torch.ones(4, dtype=D),)))(x)
+    assert seen == [PhysicalJvpLevel]
+    assert_close(tangent, x.cos())
+
+    def boom(v):
+        vmap_level = current_stack()[-1]
+        with pytest.raises(ValueError):
+            functx.jvp(lambda u: (_ for _ in ()).throw(ValueError("inner")), (v,), (v,))
+        assert vmap_level.physical_jvp is None and current_stack() == (vmap_level,)
+        return v.detach() * 2
+
+    assert_close(functx.vmap(boom)(x), 2 * x)
+
+
+def test_detach_inside_vmap_of_jvp_drops_this_tangent_only():
+    x, t = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    f = lambda v: v.detach() * v.sin()  # noqa: E731
+    _, tangent = functx.vmap(lambda x, t: functx.jvp(f, (x,), (t,)))(x, t)
+    assert_close(tangent, x * x.cos() * t)  # d/dv [c sin v] t, c held constant
+    # the outer grad level sees through the detach, as without vmap
+    outer = functx.grad(lambda x: functx.vmap(lambda x, t: functx.jvp(f, (x,), (t,))[1])(x, t).sum())(x)
+    per_row = torch.stack([functx.grad(lambda r: functx.jvp(f, (r,), (t[i],))[1].sum())(x[i]) for i in range(3)])
+    assert_close(outer, per_row)
+
+
+def test_vmap_of_jvp_without_a_forward_formula_falls_back():
+    index = torch.tensor([0, 1, 0])
+    base = torch.randn(2, 3, dtype=D)
+    f = lambda src: base.index_reduce(0, index, src, "mean").sin()  # noqa: E731
+    src, t = torch.randn(5, 3, 3, dtype=D), torch.randn(5, 3, 3, dtype=D)
+    with pytest.warns(functx.PerformanceWarning):
+        _, ours = functx.vmap(lambda s, t: functx.jvp(f, (s,), (t,)))(src, t)
+    for i in range(5):
+        # compare with finite differences of f along t[i]
+        eps = 1e-6
+        fd = (f(src[i] + eps * t[i]) - f(src[i] - eps * t[i])) / (2 * eps)
+        assert_close(ours[i], fd, atol=1e-6, rtol=1e-5)

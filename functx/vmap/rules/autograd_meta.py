@@ -35,10 +35,14 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
 
 @VMAP_RULES.register(aten.detach.default)
 def _detach(interp, x):
-    # With a grad level running on this level's physical tensors (ad/physical_level.py),
-    # user code's `detach` is at that level: cut its gradient only, not the outer levels'.
+    # With a grad or jvp level running on this level's physical tensors
+    # (ad/physical_level.py), user code's `detach` is at that level: cut its gradient or
+    # tangent only, not the outer levels'.
     value = x._value
     level = interp.physical_grad
     if level is not None and level.stops_gradient_at(interp) and value.requires_grad:
         return interp.wrap(level.stop_gradient(value))
+    level = interp.physical_jvp
+    if level is not None and level.stops_tangent_at(interp):
+        return interp.wrap(level.drop_tangent(value))
     return interp.wrap(value.detach())
