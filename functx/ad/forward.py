@@ -213,6 +213,8 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
             return func(*replace_argnums(args, checked, optree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
         def push_jvp(*basis):
+            # Not on the physical level: its primals would be copied once per column and the
+            # function computed that many times (measured: the R^256 benchmark 1.44x -> 2.4x).
             flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api)
             for out in flat_out:
                 if out.is_complex():
