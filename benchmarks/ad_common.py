@@ -85,6 +85,8 @@ def measure(
 def status(result: dict) -> str:
     """'met' / 'NOT met' for both AD targets of one benchmark, in words."""
     target = result.get("target", TARGET_RATIO)
+    if target is None:
+        return "no target"
     parts = [f"<= {target}x torch.func: {'met' if result['ratio_met'] else 'NOT met'}"]
     if result["loop_met"] is None:
         parts.append("vs loop: n/a" if result["functx_vs_loop"] is None else "vs loop: n/a (loop faster than torch.func)")
