@@ -68,13 +68,10 @@ class PhysicalGradLevel(PlainGradLevel):
 
     def pushed(self):
         # The vmap levels' detach rules and `requires_grad` ask their physical grad level.
-        self._outer = tuple(v.physical_grad for v in self.vmap_levels)
-        for v in self.vmap_levels:
-            v.physical_grad = self
+        self._outer = _install(self.vmap_levels, "physical_grad", self)
 
     def popped(self):
-        for v, outer in zip(self.vmap_levels, self._outer):
-            v.physical_grad = outer
+        _restore(self.vmap_levels, "physical_grad", self._outer)
 
     def tracked(self, x):
         """The plain tensor under `x`'s wrappers of these levels."""
@@ -224,13 +221,11 @@ class PhysicalJvpLevel(Interpreter):
         self._outer = ()
 
     def pushed(self):
-        self._outer = tuple(v.physical_jvp for v in self.vmap_levels)
-        for v in self.vmap_levels:
-            v.physical_jvp = self
+        # The vmap levels' detach rules ask their physical jvp level.
+        self._outer = _install(self.vmap_levels, "physical_jvp", self)
 
     def popped(self):
-        for v, outer in zip(self.vmap_levels, self._outer):
-            v.physical_jvp = outer
+        _restore(self.vmap_levels, "physical_jvp", self._outer)
 
     def dual(self, primal, tangent):
         """The function's input for `primal` with `tangent` (this level's tensors)."""
@@ -260,6 +255,19 @@ class PhysicalJvpLevel(Interpreter):
 
     def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
         raise AssertionError("a physical jvp level has no tensors of its own")
+
+
+def _install(vmap_levels, slot: str, level):
+    """Point `slot` of every vmap level at `level`; return what was there."""
+    previous = tuple(getattr(v, slot) for v in vmap_levels)
+    for v in vmap_levels:
+        setattr(v, slot, level)
+    return previous
+
+
+def _restore(vmap_levels, slot: str, previous):
+    for v, value in zip(vmap_levels, previous):
+        setattr(v, slot, value)
 
 
 # -- between vmap levels' wrappers and the physical tensors under them ----------------------
