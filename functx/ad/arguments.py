@@ -5,7 +5,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from .grad_level import autograd_grad, unwrap_level  # noqa: F401  (re-exported)
+from .grad_level import unwrap_level  # noqa: F401  (re-exported)
 
 
 def check_argnums(argnums, num_args: int, api: str):

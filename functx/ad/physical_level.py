@@ -29,7 +29,7 @@ under the wrappers are then plain tensors) and the inputs are real. Under severa
 levels the physical tensors carry every level's batch dim, outermost first. A user's
 `vjp_fn` can be called later under any levels, so `vjp` keeps the wrapping level; jacrev
 calls its own `vjp_fn` in the two ways `vjp` below handles. A grad nested inside this one
-wraps as usual.
+wraps as usual. `PhysicalJvpLevel` (below) does the same for `jvp` with torch's forward AD.
 
     >>> import torch, functx
     >>> x = torch.randn(3, 2)

@@ -255,7 +255,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
         flat_out, out_spec = optree.tree_flatten(output)
         for out in flat_out:
             if out.is_complex():
-                raise RuntimeError(f"jacrev: Expected all outputs to be real but received complex tensor")
+                raise RuntimeError("jacrev: Expected all outputs to be real but received complex tensor")
         blocks, in_spec = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
         jacobian = optree.tree_unflatten(out_spec, [optree.tree_unflatten(in_spec, b) for b in blocks])
         return (jacobian, aux) if has_aux else jacobian
