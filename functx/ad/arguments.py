@@ -5,7 +5,6 @@ from __future__ import annotations
 import optree
 import torch
 
-from .grad_level import unwrap_level  # noqa: F401  (re-exported)
 
 
 def check_argnums(argnums, num_args: int, api: str):

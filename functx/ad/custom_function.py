@@ -1,4 +1,4 @@
-"""`torch.autograd.Function` at a grad or jvp level.
+"""`torch.autograd.Function` at a wrapped grad or jvp level.
 
 A torch 2.x style Function (`forward` without ctx, plus `setup_context`) is turned into a
 *single-level* Function for the level (torch.func does the same): its `forward` unwraps
@@ -12,6 +12,10 @@ backward is the derivative at every level (`grad(vmap(F.apply))`, `vmap(grad(F.a
 An old-style Function (`forward(ctx, ...)`, no `setup_context`) cannot be split like that:
 torch's own `apply` runs it on this level's wrappers, so its backward is this level's
 derivative and the levels below see the operations of its forward.
+
+At a wrapped jvp level one level down means duals for this call only (wrapped_forward.py):
+the Function is applied one level down to duals of the primals and tangents, so torch
+calls its `jvp` there, and the results are taken apart into this level's DualTensors.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
 from ..core.custom_function import apply_original, is_new_style, register_level_rule, user_backward
+from .wrapped_forward import WrappedJvpLevel, make_duals
+from .wrapped_reverse import WrappedGradLevel
 
 _pending = threading.local()  # the level whose single-level Function is being applied
 _single_level: dict = {}
@@ -53,11 +59,7 @@ def single_level_function(function):
 
     def jvp(ctx, *tangents):
         if function.jvp is torch.autograd.Function.jvp:
-            raise RuntimeError(
-                f"functx.jvp: the autograd.Function {name} has no jvp staticmethod. Forward-mode "
-                f"transforms (jvp, jacfwd, linearize's users) need one: define "
-                f"`jvp(ctx, *tangents)` on {name} (torch.func needs it too)."
-            )
+            raise RuntimeError(_no_jvp_message(name))
         return function.jvp(ctx, *tangents)
 
     members = {
@@ -86,8 +88,17 @@ def _wrap_outputs(level, outputs, args, values):
     return wrap(outputs)
 
 
+def _no_jvp_message(name):
+    return (
+        f"functx.jvp: the autograd.Function {name} has no jvp staticmethod. Forward-mode "
+        f"transforms (jvp, jacfwd, linearize's users) need one: define "
+        f"`jvp(ctx, *tangents)` on {name} (torch.func needs it too)."
+    )
+
+
 def apply_at_grad_level(level, function, args, kwargs):
-    """`function.apply(*args)` where `level` (a grad or jvp level) is the highest level."""
+    """`function.apply(*args)` where `level` (a wrapped grad level, or a wrapped jvp level's
+    carriers) is the highest level."""
     if not is_new_style(function):
         return apply_original(function, *args, **kwargs)
     generated = single_level_function(function)
@@ -99,5 +110,25 @@ def apply_at_grad_level(level, function, args, kwargs):
         _pending.level = previous
 
 
-register_level_rule("grad", apply_at_grad_level)
-register_level_rule("jvp", apply_at_grad_level)
+def apply_at_jvp_level(level, function, args, kwargs):
+    """`function.apply(*args)` where `level` (a wrapped jvp level) is the highest level."""
+    primals, tangents = level.split(args)
+    if all(t is None for t in tangents):
+        return level.wrap_outputs(function.apply(*primals, **kwargs), False)
+    if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
+        raise RuntimeError(_no_jvp_message(function.__name__))
+    plain = all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in (*primals, *tangents))
+    with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
+        duals = make_duals(primals, tangents, None if plain else level)
+        if plain:  # torch's own apply on the duals calls its jvp
+            outputs = function.apply(*duals, **kwargs)
+        else:  # on this level's carriers: the single-level Function, whose jvp is the user's
+            outputs = apply_at_grad_level(level, function, duals, kwargs)
+    for arg, dual in zip(args, duals):  # an input returned (marked dirty): itself
+        if outputs is dual:
+            return arg
+    return level.wrap_outputs(outputs, True)
+
+
+register_level_rule(WrappedGradLevel, apply_at_grad_level)
+register_level_rule(WrappedJvpLevel, apply_at_jvp_level)

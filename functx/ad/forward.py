@@ -1,12 +1,13 @@
 """Forward mode: `jvp`, `linearize`, `jacfwd`, `hessian` (torch.func signatures).
 
-`jvp` runs the function at a jvp level (`forward_level.py`): tangents ride on the
-level's wrappers as torch forward gradients, so torch's forward formulas (and an
-`autograd.Function`'s `jvp`) compute them, at any depth of nesting. An op torch has no
-forward formula for makes the whole `jvp` fall back to the double-VJP identity: for
-u ↦ vjp(u) = Jᵀu, ⟨Jᵀu, t⟩ = ⟨u, Jt⟩, so Jt = ∇_u ⟨vjp(u), t⟩, which needs only reverse
-mode (twice), so jvp never fails for lack of a forward formula. `linearize` uses that
-identity on purpose: it records the function once and never re-runs it.
+`jvp` runs the function at a jvp level (chosen by choose.py): wrapped (wrapped_forward.py,
+tangents held by the level's DualTensors and computed per op by torch's forward formulas,
+so they nest) or, right inside vmap, direct (direct_forward.py). An op torch has no forward
+formula for falls back to the double-VJP identity: for u ↦ vjp(u) = Jᵀu, ⟨Jᵀu, t⟩ = ⟨u, Jt⟩,
+so Jt = ∇_u ⟨vjp(u), t⟩, which needs only reverse mode (twice), so jvp never fails for lack
+of a forward formula. At a wrapped level that is done per op (`jvp_by_double_vjp`); at a
+direct level, where torch raises inside vmap's C++ calls, for the whole function.
+`linearize` uses the identity on purpose: it records the function once and never re-runs it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import warnings
 
 import optree
 import torch
-import torch.autograd.forward_ad as fwAD
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.errors import PerformanceWarning
-from ..core.interpreter import current_stack, functx_code, interpreting
+from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
-from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums, unwrap_level
-from .forward_level import JvpInterpreter, dual_level, make_dual, unpack_dual
-from .grad_level import outside_inference_mode
-from .physical_level import PhysicalJvpLevel, vmap_levels_over_plain
+from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums
+from .choose import choose_level
+from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 
 _JVP = "jvp(f, primals, tangents)"
@@ -77,11 +77,9 @@ def _check_primals_tangents(primals, tangents, api):
 _NO_FORWARD_FORMULA = "Trying to use forward AD with"
 
 
-def _forward_jvp(func, primals, flat_tangents, has_aux, api, physical=False):
+def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
-    output does not depend on the primals, output structure, aux). `physical`: right
-    inside vmap over plain tensors, the level may run on vmap's physical tensors
-    (physical_level.PhysicalJvpLevel)."""
+    output does not depend on the primals, output structure, aux)."""
     flat_primals, primals_spec = optree.tree_flatten(primals)
     for p in flat_primals:
         if not (p.is_floating_point() or p.is_complex()):
@@ -90,25 +88,16 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, physical=False):
                 f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
             )
     with functx_code():
-        stack = current_stack()
-        vmap_levels = vmap_levels_over_plain(stack, (flat_primals, flat_tangents)) if physical and stack else None
-    level = JvpInterpreter() if vmap_levels is None else PhysicalJvpLevel(vmap_levels)
-    with outside_inference_mode(), dual_level(), fwAD._set_fwd_grad_enabled(True), interpreting(level):
+        level = choose_level(transform, (flat_primals, flat_tangents))
+    with outside_inference_mode(), dual_level(), _set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():
-            if vmap_levels is None:
-                duals = [make_dual(level, p, t) for p, t in zip(flat_primals, flat_tangents)]
-            else:
-                duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]
+            duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]
         output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
         with functx_code():
             flat_out, out_spec = optree.tree_flatten(output)
             check_outputs(flat_out, output, api)
-            if vmap_levels is None:
-                pairs = [unpack_dual(level, o) for o in flat_out]
-                aux = unwrap_level(aux, level)
-            else:
-                pairs = [level.unpack(o) for o in flat_out]
-                aux = optree.tree_map(lambda a: level.unpack(a)[0] if isinstance(a, torch.Tensor) else a, aux)
+            pairs = [level.unpack(o) for o in flat_out]
+            aux = optree.tree_map(lambda a: level.unpack(a)[0] if isinstance(a, torch.Tensor) else a, aux)
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
@@ -120,19 +109,43 @@ def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api):
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
 
-def _jvp_flat(func, primals, flat_tangents, has_aux, api, physical=False):
+def _warn_no_forward_formula(error, stacklevel):
+    warnings.warn(
+        f"functx.jvp: {str(error).splitlines()[0]} Computing it by the double-VJP identity "
+        "instead (two reverse passes; needs the op's double backward).",
+        PerformanceWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
     try:
-        return _forward_jvp(func, primals, flat_tangents, has_aux, api, physical)
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform)
     except NotImplementedError as error:
         if _NO_FORWARD_FORMULA not in str(error):
             raise
-        warnings.warn(
-            f"functx.jvp: {str(error).splitlines()[0]} Computing this jvp by the double-VJP identity "
-            "instead (two reverse passes; needs the op's double backward).",
-            PerformanceWarning,
-            stacklevel=3,
-        )
+        _warn_no_forward_formula(error, stacklevel=4)
         return _double_vjp_jvp(func, primals, flat_tangents, has_aux, api)
+
+
+def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
+    """`(output, output tangents)` of one ATen op with no forward formula (called by a
+    wrapped jvp level, one level down): the double-VJP identity on the op alone."""
+    _warn_no_forward_formula(error, stacklevel=2)
+    index = [i for i, t in enumerate(tangents) if t is not None]
+
+    def of_differentiated(*values):
+        args = list(primals)
+        for i, v in zip(index, values):
+            args[i] = v
+        return op(*args, **kwargs)
+
+    flat_out, flat_tangents, out_spec, _ = _double_vjp_jvp(
+        of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP
+    )
+    missing = object()  # an output with no tangent (None is not a pytree leaf)
+    tangents = optree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
+    return optree.tree_unflatten(out_spec, flat_out), optree.tree_map(lambda t: None if t is missing else t, tangents)
 
 
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):
@@ -147,7 +160,7 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
         True
     """
     flat_tangents = _check_primals_tangents(primals, tangents, _JVP)
-    flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP, physical=True)
+    flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP)
     if strict and any(t is None for t in flat_tangent_out):
         raise RuntimeError(
             "jvp(f, primals, tangents, strict=True): The output of f is independent of the inputs. "
@@ -213,9 +226,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
             return func(*replace_argnums(args, checked, optree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
         def push_jvp(*basis):
-            # Not on the physical level: its primals would be copied once per column and the
-            # function computed that many times (measured: the R^256 benchmark 1.44x -> 2.4x).
-            flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api)
+            flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")
             for out in flat_out:
                 if out.is_complex():
                     raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")
@@ -238,7 +249,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
             out_shape = col.shape[1:]
             pieces = col.split([x.numel() for x in flat_diff])
             leaves = [
-                p.reshape(*x.shape, *out_shape).movedim(
+                p.reshape((*x.shape, *out_shape)).movedim(
                     tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim()))
                 )
                 for p, x in zip(pieces, flat_diff)

@@ -7,7 +7,7 @@ import functools
 import optree
 import torch
 
-from ..core.interpreter import current_stack, functx_code, interpreting
+from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (
     check_argnums,
@@ -16,32 +16,10 @@ from .arguments import (
     make_differentiable,
     replace_argnums,
     select_argnums,
-    unwrap_level,
 )
-from .grad_level import GradInterpreter, recording
-from .physical_level import PhysicalGradLevel, vmap_levels_over_plain
-from .plain_level import PlainGradLevel, is_differentiated
-
-
-def _new_grad_level(differentiated, physical=None):
-    """The outermost grad level runs on plain autograd (plain_level.py); right inside vmap
-    over plain tensors, a level for `physical="grad"` (under any number of vmap levels) or
-    `"jacrev"` (under one) runs on vmap's physical tensors (physical_level.py); any other
-    wraps.
-
-    Complex inputs keep the wrapped level: a plain complex tensor that requires grad can
-    reach an inner level's op with a lazy conj bit, and torch materializes that bit below
-    autograd, cutting the plain graph (vjp of vjp of `torch.polar` w.r.t. the cotangent)."""
-    stack = current_stack()
-    if stack:
-        vmap_levels = vmap_levels_over_plain(stack, differentiated) if physical else None
-        if vmap_levels is not None and (physical == "grad" or len(vmap_levels) == 1):
-            return PhysicalGradLevel(vmap_levels)
-        return GradInterpreter()
-    for leaf in optree.tree_leaves(differentiated):
-        if isinstance(leaf, torch.Tensor) and leaf.is_complex():
-            return GradInterpreter()
-    return PlainGradLevel()
+from .choose import choose_level
+from .direct_reverse import is_differentiated
+from .level import recording, unwrap_level
 
 
 def _split_aux(output, has_aux: bool, api: str):
@@ -52,15 +30,15 @@ def _split_aux(output, has_aux: bool, api: str):
     return output
 
 
-def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical=None):
+def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
-    returns cotangents shaped like the differentiated arguments. `physical="jacrev"`: the
-    caller calls `vjp_fn` only as jacrev does (see PhysicalGradLevel.vjp), so right inside
+    returns cotangents shaped like the differentiated arguments. `transform="jacrev"`: the
+    caller calls `vjp_fn` only as jacrev does (see DirectGradLevel.vjp), so right inside
     vmap the level may run on vmap's physical tensors."""
     with functx_code():
         differentiated = args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api))
-        level = _new_grad_level(differentiated, physical)
+        level = choose_level(transform, differentiated)
     with interpreting(level), recording():
         with functx_code():
             if argnums is None:
@@ -146,7 +124,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
     def wrapper(*args, **kwargs):
         with functx_code():
             checked = check_argnums(argnums, len(args), api)
-            level = _new_grad_level(select_argnums(args, checked), physical="grad")
+            level = choose_level("grad", select_argnums(args, checked))
         with interpreting(level), recording():
             with functx_code():
                 diff = make_differentiable(select_argnums(args, checked), level, api)
@@ -227,7 +205,7 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
         offset = 0
         for out in flat_out:
             n = out.numel()
-            per_output.append([g[offset : offset + n].view(*out.shape, *g.shape[1:]) for g in flat_in])
+            per_output.append([g[offset : offset + n].view((*out.shape, *g.shape[1:])) for g in flat_in])
             offset += n
         return per_output, in_spec
 
@@ -251,7 +229,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         api = "jacrev(f, argnums)"
-        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, physical="jacrev")
+        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="jacrev")
         flat_out, out_spec = optree.tree_flatten(output)
         for out in flat_out:
             if out.is_complex():

@@ -50,12 +50,12 @@ def apply_original(function, *args, **kwargs):
     return _original_apply_function(function, *args, **kwargs)
 
 
-_LEVEL_RULES: dict = {}  # Interpreter.kind -> rule(level, function, args, kwargs)
+_LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs)
 
 
-def register_level_rule(kind: str, rule) -> None:
-    """How levels of `kind` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
-    _LEVEL_RULES[kind] = rule
+def register_level_rule(level_class, rule) -> None:
+    """How levels of `level_class` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
+    _LEVEL_RULES[level_class] = rule
 
 
 def user_backward(function):
@@ -87,9 +87,9 @@ def _apply(cls, *args, **kwargs):
             top = a._interp
     if top is None:
         return _original_apply_function(cls, *args, **kwargs)
-    rule = _LEVEL_RULES.get(top.kind)
+    rule = _LEVEL_RULES.get(type(top))
     if rule is None:
-        raise NotImplementedError(f"functx: {top.kind} levels do not support torch.autograd.Function")
+        raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")
     return rule(top, cls, args, kwargs)
 
 

@@ -41,7 +41,6 @@ class Interpreter:
     with this level's outputs wrapped.
     """
 
-    kind = "interpreter"
     __slots__ = ("level", "alive", "__weakref__")
 
     def __init__(self):

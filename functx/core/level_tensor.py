@@ -19,6 +19,17 @@ from .errors import op_name
 
 
 _detach = torch.ops.aten.detach.default
+_tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
+def is_user_detach() -> bool:
+    """Inside `__torch_dispatch__` for `aten.detach`: did it come from user code (`x.detach()`,
+    down through the dispatcher, which has excluded `ADInplaceOrView` by then) rather than
+    from torch's autograd detaching a saved output it records (`shallow_copy_and_detach`,
+    straight from C++, nothing excluded)? The first stops derivatives at every level; the
+    second must cut only the recorded level's graph, or `grad(grad(exp))` is 0."""
+    return _tls_excluded(_AD_INPLACE_OR_VIEW)
 
 
 class LevelTensor(torch.Tensor):
@@ -72,7 +83,7 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     dead grad level re-boxes the outputs (`rebox_dead`); every transform strips such
     boxes from what it returns.
     """
-    if op is _detach and isinstance(args[0], LevelTensor) and not args[0]._interp.alive:
+    if op is _detach and isinstance(args[0], LevelTensor) and not args[0]._interp.alive and not is_user_detach():
         # autograd detaches saved outputs of the dead level: its interpreter decides
         return args[0]._interp.detach_dead(args[0])
     dead = None
@@ -137,4 +148,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "level_of", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "is_user_detach", "level_of", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]

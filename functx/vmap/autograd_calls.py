@@ -1,14 +1,17 @@
-"""`torch.autograd.grad` and `.backward()` called by user code inside `vmap(grad(f))`.
+"""`torch.autograd.grad` and `.backward()` called by user code inside `vmap`.
 
-There, `grad` runs on plain autograd over vmap's physical tensors (ad/physical_level.py):
-the tensors user code holds are BatchedTensor wrappers that autograd does not track
-themselves; their physical values are. torch.func users call `torch.autograd.grad` on
-the inputs of a function under `grad` (a gradient penalty written by hand, an inner
-derivative), so vmap's TorchFunctionMode (randomness.py) sends the call here and on to
-the physical grad level, which runs it on the physical values: the batch elements are
-independent, so the gradient of the summed outputs with respect to a physical input is
-every element's own gradient. `.backward()` has no per-element `.grad` to fill: it
-raises, naming `torch.autograd.grad`.
+Inside vmap, user code holds BatchedTensor wrappers; when autograd tracks their physical
+values instead of the wrappers themselves (an input that requires grad from outside
+`vmap`, or the leaves of a direct grad level: `vmap(grad(f))`, ad/direct_reverse.py),
+torch's autograd would see wrappers that do not require grad. vmap's TorchFunctionMode
+(randomness.py) sends such calls here, and they run on the physical values: the batch
+elements are independent, so the gradient of the summed outputs with respect to a physical
+input is every element's own gradient. That needs each input batched at every vmap level
+its outputs are batched at (otherwise the physical gradient would add up the elements of
+those levels): anything else raises. `.backward()` accumulates the sum over the batch into
+the `.grad` of a tensor from outside, as a loop over the elements would; inside
+`vmap(grad(f))` there is no per-element `.grad` to fill, so it raises, naming
+`torch.autograd.grad`.
 
     >>> import torch, functx
     >>> def f(x):
@@ -24,16 +27,29 @@ from __future__ import annotations
 
 import torch
 
+from ..core.interpreter import functx_code
 from .batched_tensor import BatchedTensor, wrapper_requires_grad
+from .chain import batched_everywhere, rewrap_like
 
 
-def _tracked_physically(interp, t) -> bool:
-    return (
-        type(t) is BatchedTensor
-        and t._interp is interp
-        and not wrapper_requires_grad(t)
-        and interp.physical_grad.tracked(t).requires_grad
-    )
+def _chain(t):
+    """(vmap levels `t` is batched at, outermost first; the plain tensor under them), or None
+    when `t` is not a chain of live BatchedTensors over a plain tensor."""
+    levels = []
+    while type(t) is BatchedTensor and t._interp.alive:
+        levels.append(t._interp)
+        t = t._value
+    if not levels or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return None
+    levels.reverse()
+    return levels, t
+
+
+def _tracked_physically(t) -> bool:
+    if type(t) is not BatchedTensor or wrapper_requires_grad(t):
+        return False
+    chain = _chain(t)
+    return chain is not None and chain[1].requires_grad
 
 
 def _as_tuple(x):
@@ -41,21 +57,25 @@ def _as_tuple(x):
 
 
 def route_backward(interp, func, args, kwargs):
-    """`.backward()` on a tensor tracked through its physical value: there is no `.grad`
-    to fill per element, so say what works instead (torch.func refuses too)."""
-    if interp.physical_grad is not None and _tracked_physically(interp, args[0]):
+    """`.backward()` on a tensor tracked through its physical value."""
+    output = args[0]
+    if not _tracked_physically(output):
+        return func(*args, **kwargs)
+    if interp.direct_ad is not None and not interp.direct_ad.forward_mode:
         raise RuntimeError(
             "functx: .backward() inside vmap(grad(f)) is not supported (there is no per-element "
             ".grad to accumulate into); use torch.autograd.grad(output, inputs) or functx.grad."
         )
-    return func(*args, **kwargs)
+    gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
+    with functx_code():
+        levels, physical = _chain(output)
+        cotangent = _physical_cotangent(levels, gradient, output, physical)
+    torch.autograd.backward(physical, cotangent, *args[2:], **kwargs)
 
 
 def route_autograd_grad(interp, func, args, kwargs):
-    """Hand a `torch.autograd.grad` call to `interp`'s physical grad level when its outputs
-    are tracked there; otherwise on, unchanged."""
-    if interp.physical_grad is None:
-        return func(*args, **kwargs)
+    """`torch.autograd.grad` on outputs tracked through their physical values: run it on
+    those values; otherwise on to torch, unchanged."""
 
     def parse(
         outputs,
@@ -77,12 +97,47 @@ def route_autograd_grad(interp, func, args, kwargs):
         return _as_tuple(outputs), _as_tuple(inputs), grad_outputs, is_grads_batched, options
 
     outputs, inputs, grad_outputs, is_grads_batched, options = parse(*args, **kwargs)
-    if not any(_tracked_physically(interp, o) for o in outputs):
+    if not any(_tracked_physically(o) for o in outputs):
         return func(*args, **kwargs)
     if is_grads_batched:
         raise NotImplementedError(
-            "torch.autograd.grad(..., is_grads_batched=True) inside functx.vmap(functx.grad(f)) is "
-            "not supported: use functx.vmap over a functx.vjp instead."
+            "torch.autograd.grad(..., is_grads_batched=True) inside functx.vmap is not supported "
+            "on tensors tracked outside the vmap: use functx.vmap over a functx.vjp instead."
         )
     grad_outputs = (None,) * len(outputs) if grad_outputs is None else _as_tuple(grad_outputs)
-    return interp.physical_grad.user_autograd_grad(outputs, inputs, grad_outputs, **options)
+    with functx_code():
+        pairs, levels_used = [], set()
+        for out, g in zip(outputs, grad_outputs):
+            chain = _chain(out)
+            if chain is None:
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    pairs.append((out, g))
+                continue
+            levels, physical = chain
+            levels_used.update(levels)
+            pairs.append((physical, _physical_cotangent(levels, g, out, physical)))
+        physical_inputs = []
+        for x in inputs:
+            chain = _chain(x)
+            levels = chain[0] if chain else []
+            if not levels_used <= set(levels):
+                raise NotImplementedError(
+                    "torch.autograd.grad inside functx.vmap: an input is not batched at every vmap "
+                    "level its outputs are batched at, so its per-element gradients would be added "
+                    "up over the batch. Pass it through vmap's in_dims (batched), or take the "
+                    "gradient with functx.vmap(functx.grad(...))."
+                )
+            physical_inputs.append(chain[1] if chain else x)
+    grads = torch.autograd.grad([o for o, _ in pairs], physical_inputs, [c for _, c in pairs], **options)
+    with functx_code():
+        return tuple(None if g is None else rewrap_like(x, _chain(x)[0] if _chain(x) else [], g) for g, x in zip(grads, inputs))
+
+
+def _physical_cotangent(levels, cotangent, out, physical):
+    """The cotangent of `out` for its physical value: ones for one element per batch element
+    (as torch's implicit gradient), else `cotangent` with every level's batch dim."""
+    if cotangent is None:
+        if out.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        return torch.ones_like(physical)
+    return batched_everywhere(levels, cotangent).expand(physical.shape)

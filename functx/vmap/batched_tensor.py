@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor
+from ..core.level_tensor import LevelTensor, is_user_detach
 from ..core.rules import RuleTable
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
+_DETACH = torch.ops.aten.detach.default
+_forward_ad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _wrapper_requires_grad = torch._C.TensorBase.__dict__["requires_grad"]  # the C++ flag itself
 wrapper_requires_grad = _wrapper_requires_grad.__get__
@@ -37,12 +39,13 @@ class BatchedTensor(LevelTensor):
     @property
     def requires_grad(self):
         """Whether autograd tracks this tensor: the wrapper itself (user code called
-        `requires_grad_()` inside vmap), or, while a grad level runs on this level's
-        physical tensors (ad/physical_level.py), the physical value: inside
+        `requires_grad_()` inside vmap), or, while a direct grad level runs on this level's
+        physical tensors (ad/direct_reverse.py), the physical value: inside
         `vmap(grad(f))` the inputs report True, as torch.func's do."""
         if wrapper_requires_grad(self):
             return True
-        return self._interp.physical_grad is not None and self._value.requires_grad
+        direct = self._interp.direct_ad
+        return direct is not None and not direct.forward_mode and self._value.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, flag):
@@ -54,22 +57,31 @@ class BatchedTensor(LevelTensor):
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    kind = "vmap"
-    __slots__ = ("batch_size", "randomness", "physical_grad", "physical_jvp")
+    __slots__ = ("batch_size", "randomness", "direct_ad")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
         self.batch_size = batch_size
         self.randomness = randomness
-        # A grad level running on the physical tensors under this level (and maybe the
-        # vmap levels below: ad/physical_level.py), while one is open: `detach` then cuts
-        # that level's gradient only, and `requires_grad` reads the physical value.
-        self.physical_grad = None
-        # Likewise a jvp level on the physical tensors: `detach` then drops its tangent only.
-        self.physical_jvp = None
+        # The direct AD level running on the physical tensors under this level (and maybe
+        # the vmap levels below: ad/direct_reverse.py, direct_forward.py), while one is
+        # open: `requires_grad` and torch.autograd.grad calls inside ask a grad level; a jvp
+        # level keeps forward AD on for the rules.
+        self.direct_ad = None
 
     def process(self, op, args, kwargs):
+        if op is _DETACH and not is_user_detach():
+            # torch's autograd detaching a saved output it recorded on this wrapper (user
+            # code called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told
+            # apart from a user's detach here, before the outside dispatch state is restored.
+            return BatchedTensor(args[0]._value, self)
         handler = VMAP_RULES.handler(op)
+        direct = self.direct_ad
+        if direct is not None and direct.forward_mode:
+            # torch calls an autograd.Function's jvp with forward AD off; the physical
+            # tangents here are a direct jvp level's (an outer level's), which must flow on
+            with _restore_autograd(), _forward_ad_enabled(True):
+                return handler(self, *args, **kwargs)
         # Inside __torch_dispatch__ torch switches off autograd, view tracking and the
         # conj/neg keys; the rule runs with the state of outside restored, so the values one
         # level down behave as they do outside any transform: they record autograd graphs

@@ -27,6 +27,7 @@ import torch
 
 from ..core.custom_function import is_new_style, register_level_rule, user_backward
 from ..core.errors import PerformanceWarning
+from .batched_tensor import VmapInterpreter
 
 _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
 
@@ -275,4 +276,4 @@ def _apply_generated_rule(level, function, args, kwargs):
     return wrap_user_outputs(level, (outputs, 0), args, values)
 
 
-register_level_rule("vmap", apply_at_vmap_level)
+register_level_rule(VmapInterpreter, apply_at_vmap_level)

@@ -1,8 +1,9 @@
 """`grad`, `jacrev` and `jvp` right inside `vmap` run on torch's autograd over vmap's
-physical tensors (functx/ad/physical_level.py). These tests pin what those levels must
-keep by hand: values equal to a per-sample loop and to torch.func, per-element gradients
-of unbatched inputs, what leaves the level attached or detached, `detach()` cutting this
-level only, outer `no_grad`, nesting, errors, and the stack after exceptions."""
+physical tensors (functx/ad/direct_reverse.py, direct_forward.py). These tests pin what
+those levels must keep by hand: values equal to a per-sample loop and to torch.func,
+per-element gradients of unbatched inputs, what leaves the level attached or detached,
+`detach()` stopping every level (torch.func's stop-gradient), outer `no_grad`, nesting,
+errors, and the stack after exceptions."""
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ import torch.func as tf
 from torch.testing import assert_close
 
 import functx
-from functx.ad.grad_level import GradInterpreter
-from functx.ad.physical_level import PhysicalGradLevel, PhysicalJvpLevel
+from functx.ad.wrapped_reverse import WrappedGradLevel
+from functx.ad.direct_forward import DirectJvpLevel
+from functx.ad.direct_reverse import DirectGradLevel
 from functx.core.interpreter import current_stack
 
 D = torch.float64
@@ -27,7 +29,7 @@ def test_vmap_of_grad_uses_the_physical_level_and_matches_a_loop():
 
     w, x = torch.randn(3, 2, dtype=D), torch.randn(5, 4, 3, dtype=D)
     got = functx.vmap(functx.grad(loss, argnums=(0, 1)), in_dims=(None, 0))(w, x)
-    assert seen == [PhysicalGradLevel]
+    assert seen == [DirectGradLevel]
     for i in range(5):
         wi, xi = w.clone().requires_grad_(), x[i].clone().requires_grad_()
         want = torch.autograd.grad(loss(wi, xi), (wi, xi))
@@ -105,18 +107,19 @@ def test_maml_second_order_matches_an_autograd_loop():
     assert_close(got, want)
 
 
-def test_detach_inside_cuts_this_level_only():
-    """d/dp of sum_i grad_p[(p x_i).detach() * p]: the inner gradient treats (p x_i) as a
-    constant, the outer one does not, with or without vmap between them. (torch.func cuts
-    every level here and returns zeros; functx keeps DESIGN.md's "current level only",
-    the same as tests/ad/test_reverse.py::test_detach_cuts_only_the_current_level.)"""
+def test_detach_inside_stops_every_level():
+    """d/dp of sum_i grad_p[(p x_i).detach() * p]: the inner gradient is (p x_i), a
+    constant for every level (torch.func's and JAX's stop_gradient), so the outer gradient
+    is 0, with or without vmap between the levels."""
     p = torch.randn(3, dtype=D)
     x = torch.randn(4, 3, dtype=D)
     inner = lambda p, x: ((p * x).detach() * p).sum()  # noqa: E731
     per_sample = functx.vmap(functx.grad(inner), in_dims=(None, 0))
     assert_close(per_sample(p, x), p * x)
     outer = functx.grad(lambda p: per_sample(p, x).pow(2).sum())(p)
-    assert_close(outer, (2 * (p * x) * x).sum(0))  # d/dp sum (p x)^2
+    assert_close(outer, torch.zeros(3, dtype=D))
+    theirs = tf.grad(lambda p: tf.vmap(tf.grad(inner), in_dims=(None, 0))(p, x).pow(2).sum())(p)
+    assert_close(outer, theirs)
     unbatched = sum(functx.grad(lambda p: functx.grad(inner)(p, x[i]).pow(2).sum())(p) for i in range(4))
     assert_close(outer, unbatched)
 
@@ -141,12 +144,15 @@ def test_detach_of_this_levels_tensor_inside_a_nested_grad():
         theirs = tf.vmap(tf.grad(per_sample(tf), argnums=argnums), in_dims=(None, 0))(p, x)
         assert_close(ours, theirs)
     outer = functx.grad(lambda p: functx.vmap(functx.grad(per_sample(functx)), in_dims=(None, 0))(p, x).sum())(p)
-    # the physical level's gradient is 2 c^2 + 2 p c cos(p x) x, c = sin(p x) (its detached
-    # factor held constant); the outer level differentiates that as a function of p
+    # the physical level's gradient is 2 c_d c + 2 p c_d cos(p x) x, c = sin(p x) and c_d
+    # its detached copy (constant for every level); the outer level differentiates that
     leaf = p.clone().requires_grad_()
     c = (leaf * x).sin()
-    (want,) = torch.autograd.grad((2 * c * c + 2 * leaf * c * (leaf * x).cos() * x).sum(), leaf)
+    c_d = c.detach()
+    (want,) = torch.autograd.grad((2 * c_d * c + 2 * leaf * c_d * (leaf * x).cos() * x).sum(), leaf)
     assert_close(outer, want)
+    theirs = tf.grad(lambda p: tf.vmap(tf.grad(per_sample(tf)), in_dims=(None, 0))(p, x).sum())(p)
+    assert_close(outer, theirs)
 
 
 @pytest.mark.parametrize("depth", ["grad_grad", "grad_vmap_grad", "hessian"])
@@ -170,7 +176,7 @@ def test_grad_nested_inside_it_wraps():
         return v.pow(3).sum()
 
     functx.vmap(functx.grad(lambda v: functx.grad(f)(v).sum()))(torch.randn(2, 3))
-    assert levels == [GradInterpreter]
+    assert levels == [WrappedGradLevel]
 
 
 def test_in_place_ops_on_non_leaves():
@@ -299,14 +305,14 @@ def test_an_exception_caught_inside_vmap_leaves_the_vmap_level_as_it_was():
         vmap_level = current_stack()[-1]
         with pytest.raises(ValueError):
             functx.grad(lambda u: (_ for _ in ()).throw(ValueError("inner")))(v)
-        assert vmap_level.physical_grad is None and current_stack() == (vmap_level,)
+        assert vmap_level.direct_ad is None and current_stack() == (vmap_level,)
         return v.detach() * 2  # a plain detach again
 
     x = torch.randn(3, 2)
     assert_close(functx.vmap(per_sample)(x), 2 * x)
 
 
-# -- jacrev right inside vmap (PhysicalGradLevel.vjp) ---------------------------------------
+# -- jacrev right inside vmap (DirectGradLevel.vjp) ---------------------------------------
 def _mlp(w1, w2):
     return lambda x: torch.tanh(torch.tanh(x @ w1.T) @ w2.T)
 
@@ -366,7 +372,7 @@ def test_vjp_inside_vmap_still_wraps():
     x = torch.randn(3, 4, dtype=D)
     got = functx.vmap(lambda v: functx.vjp(f, v)[1](torch.ones(4, dtype=D))[0])(x)
     assert_close(got, x.cos())
-    assert levels == [GradInterpreter]
+    assert levels == [WrappedGradLevel]
 
 
 # -- under nested vmaps ----------------------------------------------------------------------
@@ -385,7 +391,7 @@ def test_grad_under_two_vmaps_runs_on_the_innermost_physical_tensors():
         ours = functx.vmap(functx.vmap(functx.grad(loss, argnums=(0, 1)), in_dims=(None, 0)), in_dims=in_dims)(ws, x)
         theirs = tf.vmap(tf.vmap(tf.grad(loss, argnums=(0, 1)), in_dims=(None, 0)), in_dims=in_dims)(ws, x)
         assert_close(ours, theirs)
-    assert seen[0] is PhysicalGradLevel
+    assert seen[0] is DirectGradLevel
 
 
 def test_under_two_vmaps_detach_autograd_grad_and_outer_grad():
@@ -409,10 +415,11 @@ def test_under_two_vmaps_detach_autograd_grad_and_outer_grad():
 
     assert_close(nested(functx, p), nested(tf, p))  # per element: one grad level, no disagreement
     assert_close(nested(functx, p), torch.stack([one_level(p, i) for i in range(2)]))
-    # the outer level sees through the detach (functx's semantics; see the test above)
+    # the detach stops the outer level too (torch.func's stop-gradient)
     outer = functx.grad(lambda p: nested(functx, p).pow(2).sum())(p)
     want = sum(functx.grad(lambda p: one_level(p, i).pow(2).sum())(p) for i in range(2))
     assert_close(outer, want)
+    assert_close(outer, tf.grad(lambda p: nested(tf, p).pow(2).sum())(p))
 
 
 def test_jacrev_under_two_vmaps_wraps_and_matches():
@@ -437,7 +444,7 @@ def test_per_sample_hessians_through_normalizations(norm):
     assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
 
 
-# -- jvp right inside vmap (PhysicalJvpLevel) -------------------------------------------------
+# -- jvp right inside vmap (DirectJvpLevel) -------------------------------------------------
 W_IN, W_OUT = torch.randn(6, 4, dtype=D), torch.randn(3, 6, dtype=D)
 
 
@@ -475,28 +482,30 @@ def test_vmap_of_jvp_uses_the_physical_level_and_restores_it():
 
     x = torch.randn(3, 4, dtype=D)
     _, tangent = functx.vmap(lambda v: functx.jvp(f, (v,), (torch.ones(4, dtype=D),)))(x)
-    assert seen == [PhysicalJvpLevel]
+    assert seen == [DirectJvpLevel]
     assert_close(tangent, x.cos())
 
     def boom(v):
         vmap_level = current_stack()[-1]
         with pytest.raises(ValueError):
             functx.jvp(lambda u: (_ for _ in ()).throw(ValueError("inner")), (v,), (v,))
-        assert vmap_level.physical_jvp is None and current_stack() == (vmap_level,)
+        assert vmap_level.direct_ad is None and current_stack() == (vmap_level,)
         return v.detach() * 2
 
     assert_close(functx.vmap(boom)(x), 2 * x)
 
 
-def test_detach_inside_vmap_of_jvp_drops_this_tangent_only():
+def test_detach_inside_vmap_of_jvp_stops_every_level():
     x, t = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
     f = lambda v: v.detach() * v.sin()  # noqa: E731
     _, tangent = functx.vmap(lambda x, t: functx.jvp(f, (x,), (t,)))(x, t)
     assert_close(tangent, x * x.cos() * t)  # d/dv [c sin v] t, c held constant
-    # the outer grad level sees through the detach, as without vmap
+    # the outer grad level does not see through the detach either, as without vmap
     outer = functx.grad(lambda x: functx.vmap(lambda x, t: functx.jvp(f, (x,), (t,))[1])(x, t).sum())(x)
     per_row = torch.stack([functx.grad(lambda r: functx.jvp(f, (r,), (t[i],))[1].sum())(x[i]) for i in range(3)])
     assert_close(outer, per_row)
+    assert_close(outer, -x.detach() * x.sin() * t)  # d/dx [c cos x t], c constant
+    assert_close(outer, tf.grad(lambda x: tf.vmap(lambda x, t: tf.jvp(f, (x,), (t,))[1])(x, t).sum())(x))
 
 
 def test_vmap_of_jvp_without_a_forward_formula_falls_back():

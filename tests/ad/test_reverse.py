@@ -82,13 +82,14 @@ def test_inner_no_grad_is_obeyed_outer_is_not():
         torch.testing.assert_close(grad(lambda a: (a**2).sum())(x), 2 * x)
 
 
-def test_detach_cuts_only_the_current_level():
+def test_detach_stops_every_level():
     x = torch.tensor(1.5, dtype=D)
-    # inner: d/dy [y.detach() * y] = y ; outer: d/dx [x] = 1 (the detach at the inner
-    # level must not hide the dependence on x from the outer level)
+    # inner: d/dy [y.detach() * y] = y.detach(); a constant for the outer level too, as
+    # torch.func's and JAX's stop_gradient: d/dx = 0
     f = lambda x: grad(lambda y: y.detach() * y)(x)  # noqa: E731
     torch.testing.assert_close(f(x), x)
-    torch.testing.assert_close(grad(f)(x), torch.tensor(1.0, dtype=D))
+    torch.testing.assert_close(grad(f)(x), torch.tensor(0.0, dtype=D))
+    torch.testing.assert_close(grad(f)(x), tf.grad(lambda x: tf.grad(lambda y: y.detach() * y)(x))(x))
 
 
 def test_integer_output_is_non_differentiable():

@@ -35,14 +35,52 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
 
 @VMAP_RULES.register(aten.detach.default)
 def _detach(interp, x):
-    # With a grad or jvp level running on this level's physical tensors
-    # (ad/physical_level.py), user code's `detach` is at that level: cut its gradient or
-    # tangent only, not the outer levels'.
+    # A user's `detach` stops derivatives at every level: detach the physical value (the
+    # levels below see a detach of their own). (torch's autograd detaching a saved output is
+    # answered before the rules: VmapInterpreter.process.)
+    return interp.wrap(x._value.detach())
+
+
+@VMAP_RULES.register(aten._make_dual.default)
+def _make_dual(interp, primal, tangent, level):
+    # A jvp level above attaches a tangent to this alias of `primal` (wrapped_forward.py):
+    # a new object of this level (or below, where `primal` is not batched here) over the
+    # same value. Not a view torch tracks: torch makes the result a view of `primal` itself,
+    # one that forward AD must not treat as a view (the tangent is laid out as it comes).
+    if interp.is_batched(primal):
+        return interp.wrap(primal._value)
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return aten.alias.default(primal)
+
+
+@VMAP_RULES.register(aten._fw_primal.default)
+def _fw_primal(interp, x, level):
+    # The primal a jvp level above takes back from its dual: an alias without that tangent.
+    return interp.wrap(x._value)
+
+
+@VMAP_RULES.register(aten.is_same_size.default)
+def _is_same_size(interp, a, b):
+    return a.shape == b.shape
+
+
+def _element_storage_numel(interp, x):
+    """The storage size of one batch element: a batched tensor's physical storage is its
+    elements' storages side by side (what the rule above makes, and every view of it) when
+    its batch stride times the batch size spans it; None for any other layout."""
+    if not interp.is_batched(x):
+        return _storage_numel(x)
     value = x._value
-    level = interp.physical_grad
-    if level is not None and level.stops_gradient_at(interp) and value.requires_grad:
-        return interp.wrap(level.stop_gradient(value))
-    level = interp.physical_jvp
-    if level is not None and level.stops_tangent_at(interp):
-        return interp.wrap(level.drop_tangent(value))
-    return interp.wrap(value.detach())
+    total = _storage_numel(value)
+    if value.stride(0) * interp.batch_size != total:
+        return None
+    return value.stride(0)
+
+
+@VMAP_RULES.register(aten._has_same_storage_numel.default)
+def _has_same_storage_numel(interp, a, b):
+    # torch asks before attaching a tangent whether its layout matches the primal's, per
+    # batch element; where unsure, no (torch then copies the tangent into zeros laid out
+    # like the primal, the rule above).
+    numel_a = _element_storage_numel(interp, a)
+    return numel_a is not None and numel_a == _element_storage_numel(interp, b)

@@ -1,0 +1,81 @@
+"""Forward mode, direct strategy: a `jvp` right inside k >= 1 vmap levels over plain
+tensors, run by torch's forward AD on vmap's physical tensors.
+
+The same argument as for reverse mode (direct_reverse.py): each batch element's tangent is
+the tangent of the physical computation, so the function's ops make one Python dispatch
+each (vmap's rule), with torch's forward formulas in C++. Primals get every level's batch
+dim as a copy, not an expand: each element's tangent needs its own memory under the
+primal. A user's `detach()` is plain `detach` of the physical value: it drops the tangent
+(and every level's gradient), as torch.func's does.
+
+There is no direct forward level with k = 0: its tangents would stay attached to plain
+tensors at torch's single dual level, where a jvp nested inside (whose own tangents are
+attached per op, wrapped_forward.py) would see them and mix them into its own. Under k >= 1
+vmap levels the BatchedTensor wrappers keep them apart: a nested level's ops meet the
+wrappers, and only vmap's rules meet the physical tensors.
+
+    >>> import torch, functx
+    >>> x = torch.randn(3, 2)
+    >>> _, t = functx.vmap(lambda r: functx.jvp(torch.sin, (r,), (torch.ones(2),)))(x)
+    >>> torch.allclose(t, torch.cos(x))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..vmap.chain import batched_everywhere, peel, rewrap_like, wrap_chain
+from .direct_reverse import install_direct_level, restore_direct_level
+from .level import ADLevel
+
+_make_dual = torch._make_dual
+_unpack_dual = torch._VF._unpack_dual
+_DUAL_LEVEL = 0
+
+
+class DirectJvpLevel(ADLevel):
+    """A jvp level run by torch's forward AD on the tensors under `vmap_levels`."""
+
+    __slots__ = ("vmap_levels", "_outer")
+    forward_mode = True
+
+    def __init__(self, vmap_levels):
+        super().__init__()
+        self.vmap_levels = tuple(vmap_levels)
+        self._outer = ()
+
+    def pushed(self):
+        # vmap's rules keep forward AD on for these tangents (batched_tensor.py)
+        self._outer = install_direct_level(self.vmap_levels, self)
+
+    def popped(self):
+        restore_direct_level(self.vmap_levels, self._outer)
+
+    def dual(self, primal, tangent):
+        """The function's input for `primal` with `tangent` (these levels' tensors)."""
+        levels = self.vmap_levels
+        physical = batched_everywhere(levels, primal)
+        if any(stride == 0 for stride in physical.stride()[: len(levels)]):
+            physical = physical.clone()  # an expanded batch dim: give each element its memory
+        return wrap_chain(levels, _make_dual(physical, batched_everywhere(levels, tangent), level=_DUAL_LEVEL))
+
+    def unpack(self, x):
+        """`(primal, tangent or None)` of a result, without this level's tangents."""
+        physical = peel(self.vmap_levels, x)
+        if not isinstance(physical, torch.Tensor):
+            return x, None
+        primal, tangent = _unpack_dual(physical, _DUAL_LEVEL)
+        return (
+            rewrap_like(x, self.vmap_levels, primal),
+            None if tangent is None else rewrap_like(x, self.vmap_levels, tangent),
+        )
+
+    def depends(self, output) -> bool:
+        return self.unpack(output)[1] is not None
+
+    def export(self, tree):
+        return tree  # `unpack` already took this level's tangents off
+
+    def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
+        raise AssertionError("a direct jvp level has no tensors of its own")

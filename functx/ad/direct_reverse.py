@@ -1,0 +1,238 @@
+"""Reverse mode, direct strategy: the level owns no tensors; torch's autograd records the
+values under the k >= 0 vmap levels below it.
+
+k = 0, the outermost grad level. When a `grad`/`vjp` starts with no functx transform active
+(the gradient of a loss in a training loop, the outer gradient of MAML, jacrev/hessian),
+nothing below it needs telling apart from it, so it need not wrap anything: its
+differentiated inputs are fresh leaves and torch's autograd records on the plain tensors
+directly, in C++. Levels opened inside wrap those tensors as usual.
+
+k >= 1, right inside vmap (per-sample gradients `vmap(grad(loss))`, per-sample Jacobians
+`vmap(jacrev(f))`, MAML's inner steps). Under vmap the batch elements cannot interact, so
+the gradient of each element's output with respect to that element's inputs is the gradient
+of the *sum* of the outputs with respect to the physical (batch-first) inputs, and torch's
+autograd computes it on the physical tensors: the forward goes through vmap's rules once,
+the backward never reaches Python. An unbatched differentiated input is given the batch dim
+(an `expand`, no copy) before it becomes a leaf, so its gradient comes out per element. Each
+tensor of the function is then a chain of BatchedTensors, one per vmap level where it is
+batched, over a plain tensor (vmap/chain.py).
+
+What wrappers would give for free is kept by hand:
+- results leave detached (no `requires_grad`, no graph to the internal leaves) unless the
+  function reached tensors that torch autograd tracks outside the transform (a parameter
+  that requires grad, an outer level's leaf): then the gradient is built with
+  `create_graph=True`, so the outside differentiates through it (a gradient penalty, MAML).
+  Found by walking the function's graph once (`seal`);
+- an outer `torch.no_grad()` around the transform holds for those outside tensors;
+- a user's `detach()` is plain `detach` of the values: it cuts this level and every level
+  below, as torch.func's does.
+
+    >>> import torch
+    >>> from functx.core.interpreter import interpreting
+    >>> with interpreting(DirectGradLevel(())) as level, torch.enable_grad():
+    ...     x = level.leaf(torch.tensor(2.0))
+    ...     y = x ** 3
+    ...     level.seal([y], [x])
+    ...     (dy,) = level.gradient(y, [x])
+    >>> dy.item(), dy.requires_grad
+    (12.0, False)
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from ..core.interpreter import functx_code
+from ..core.level_tensor import LevelTensor
+from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
+from ..vmap.chain import batched_everywhere, peel, wrap_chain
+from .level import ADLevel, autograd_grad, unwrap_level
+
+
+def install_direct_level(vmap_levels, level):
+    """Point the `direct_ad` slot of `vmap_levels` at `level`; return what was there."""
+    previous = tuple(v.direct_ad for v in vmap_levels)
+    for v in vmap_levels:
+        v.direct_ad = level
+    return previous
+
+
+def restore_direct_level(vmap_levels, previous):
+    for v, value in zip(vmap_levels, previous):
+        v.direct_ad = value
+
+
+class DirectGradLevel(ADLevel):
+    """A grad level run by plain autograd on the tensors under `vmap_levels` (the vmap levels
+    on top of the stack when it opened, innermost last; empty for the outermost level)."""
+
+    __slots__ = ("vmap_levels", "reaches_outside", "_outer")
+    forward_mode = False
+
+    def __init__(self, vmap_levels=()):
+        super().__init__()
+        self.vmap_levels = tuple(vmap_levels)
+        self.reaches_outside = False
+        self._outer = ()
+
+    def pushed(self):
+        # vmap's `requires_grad` and its routing of torch.autograd.grad ask this level
+        self._outer = install_direct_level(self.vmap_levels, self)
+
+    def popped(self):
+        restore_direct_level(self.vmap_levels, self._outer)
+
+    def tracked(self, x):
+        """The tensor autograd tracks for `x`: the plain tensor under its wrappers of these levels."""
+        return peel(self.vmap_levels, x)
+
+    # -- the AD level protocol (level.py) ------------------------------------------------------
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor standing for input `x` that this level differentiates with respect to:
+        batched at every level (so an unbatched input's gradient comes out per element)."""
+        physical = batched_everywhere(self.vmap_levels, x)
+        if physical.requires_grad and self.prev_grad_mode:
+            leaf = physical.view_as(physical)  # stays connected to the outside graph
+        else:
+            # a tensor made under torch.inference_mode() cannot require grad: differentiate a copy
+            leaf = (physical.clone() if physical.is_inference() else physical.detach()).requires_grad_()
+            leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
+        return wrap_chain(self.vmap_levels, leaf)
+
+    def seal(self, outputs, leaves) -> None:
+        """After the function ran: does its graph reach tensors tracked outside?"""
+        tracked = self.tracked
+        self.reaches_outside = self.prev_grad_mode and _reaches_outside(
+            [tracked(o) for o in outputs], [tracked(x) for x in leaves]
+        )
+
+    def gradient(self, output, leaves):
+        """d output / d leaves, per batch element (output: this level's scalar)."""
+        if not self.vmap_levels:
+            return autograd_grad([output], leaves, create_graph=self.reaches_outside)
+        with functx_code():
+            one = torch.ones((), dtype=output.dtype, device=output.device)
+        return self.vjp([output], leaves, [one], create_graph=self.reaches_outside, retain_graph=None)
+
+    def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        """Cotangents of `leaves`, per batch element. Besides `gradient`, only `vjp` (k = 0)
+        and jacrev (k = 1) call it; jacrev in two ways: with one cotangent row (these levels'
+        tensors or plain ones), or under a vmap `rows` opened right on top over a batch of
+        rows. Then the backward runs on the physical tensors with the cotangents batched at
+        `rows`: the engine's derivative formulas go through `rows`' batching rules once per op
+        and meet plain saved tensors, whose shapes (the batch dim first) are what `rows`
+        sees as logical."""
+        if not self.vmap_levels:
+            return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+        with functx_code():
+            rows = None
+            for c in cotangents:
+                if isinstance(c, LevelTensor) and c._interp not in self.vmap_levels:
+                    rows = c._interp
+            if rows is not None:
+                assert len(self.vmap_levels) == 1 and type(rows) is VmapInterpreter, "only as jacrev calls it"
+            pairs = []
+            for out, cot in zip(outputs, cotangents):
+                out = self.tracked(out)
+                if not out.requires_grad:
+                    continue  # an output independent of the (per-element) leaves adds nothing
+                pairs.append((out, self._physical_cotangent(cot, out, rows)))
+            physical_leaves = [self.tracked(x) for x in leaves]
+        if pairs:
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], physical_leaves, [c for _, c in pairs],
+                create_graph=create_graph, retain_graph=retain_graph, allow_unused=True,
+            )
+        else:
+            grads = [None] * len(physical_leaves)
+        with functx_code():
+            results = []
+            for g, leaf in zip(grads, physical_leaves):
+                if g is None:
+                    g = torch.zeros_like(leaf)
+                if type(g) is BatchedTensor and g._interp is rows:  # back to rows over this level
+                    results.append(BatchedTensor(wrap_chain(self.vmap_levels, g._value.movedim(1, 0)), rows))
+                else:
+                    results.append(wrap_chain(self.vmap_levels, g))
+            return results
+
+    def _physical_cotangent(self, cot, out, rows):
+        """`cot` for the physical output `out`; with `rows`, batched at rows, rows' batch
+        dim first and this level's second."""
+        if rows is None:
+            if self.tracked(cot).shape == out.shape:
+                return self.tracked(cot)
+            return batched_everywhere(self.vmap_levels, cot).expand(out.shape)  # expanded where not batched
+        (vmap_level,) = self.vmap_levels
+        value = cot._value if type(cot) is BatchedTensor and cot._interp is rows else cot.expand(rows.batch_size, *cot.shape)
+        if type(value) is BatchedTensor and value._interp is vmap_level:
+            value = value._value.movedim(0, 1)
+        else:
+            value = value.unsqueeze(1).expand(value.shape[0], *out.shape)
+        return BatchedTensor(value, rows)
+
+    def depends(self, output) -> bool:
+        """Whether `output` depends on this level's differentiated inputs."""
+        return self.tracked(output).requires_grad
+
+    def export(self, tree):
+        """Results as they leave the level (detached unless they must stay connected)."""
+        tree = unwrap_level(tree, self)  # dead levels opened inside may have left wrappers
+        if self.reaches_outside:
+            return tree
+        return optree.tree_map(self._detached, tree)
+
+    def _detached(self, x):
+        if type(x) is BatchedTensor and x._interp in self.vmap_levels:
+            return BatchedTensor(self._detached(x._value), x._interp)
+        return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+    def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
+        raise AssertionError("a direct grad level has no tensors of its own")
+
+
+def _is_outside(leaf, own) -> bool:
+    """Whether autograd leaf `leaf` is tracked outside a level whose leaves are `own` (ids):
+    a user's tensor, or a live level's internal leaf; not the leaves of a finished level
+    (a `vjp_fn` used inside a later `grad`)."""
+    if id(leaf) in own:
+        return False
+    level = getattr(leaf, "_functx_leaf_of", None)
+    return level is None or level.alive
+
+
+def _reaches_outside(outputs, leaves) -> bool:
+    """Whether the autograd graph of `outputs` reaches a leaf tracked outside (`_is_outside`)."""
+    own = {id(x) for x in leaves}
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    for o in outputs:
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and _is_outside(o, own):
+            return True
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if _is_outside(variable, own):
+                    return True
+            else:
+                stack.append(child)
+    return False
+
+
+def is_differentiated(x) -> bool:
+    """Whether some autograd (plain or a functx grad level) tracks `x`."""
+    while isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            return True
+        if not isinstance(x, LevelTensor):
+            return False
+        x = x._value
+    return False

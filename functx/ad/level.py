@@ -1,0 +1,177 @@
+"""The AD level protocol: what every `grad`/`vjp` (reverse) and `jvp` (forward) level does.
+
+An AD level is an interpreter on functx's stack. There are two strategies, each in both
+modes, and one function (`choose.py`) picks the strategy for a transform call:
+
+| strategy | reverse (grad, vjp, jacrev) | forward (jvp, jacfwd) |
+|---|---|---|
+| **wrapped**: the level owns wrapper tensors | `wrapped_reverse.WrappedGradLevel`: `GradTensor`s that torch's autograd records | `wrapped_forward.WrappedJvpLevel`: `DualTensor`s holding primal and tangent |
+| **direct**: the level owns nothing | `direct_reverse.DirectGradLevel`: autograd records the values under the k >= 0 vmap levels below it | `direct_forward.DirectJvpLevel`: torch's forward AD on the values under the k >= 1 vmap levels below it |
+
+Every AD level answers the same calls, made by the transforms (reverse.py, forward.py):
+
+- `enter`: the tensor standing for a differentiated input (reverse: `leaf(x)`; forward:
+  `dual(primal, tangent)`);
+- `seal(outputs, inputs)`: after the function ran (reverse: does its graph reach tensors
+  tracked outside the transform?);
+- pull back / unpack: reverse `gradient(output, inputs)` and `vjp(outputs, inputs,
+  cotangents, ...)`; forward `unpack(x) -> (primal, tangent or None)`;
+- `depends(output)`: does an output depend on the differentiated inputs?
+- `export(tree)`: results as they leave the level;
+- stop-gradient: a user's `.detach()` stops the derivative at every level (torch.func's and
+  JAX's `stop_gradient`): every level passes it down (direct levels have no tensors of
+  their own: plain `detach` already cuts them). torch's autograd also detaches saved
+  outputs of the tensors it records (`shallow_copy_and_detach`): that must cut only the
+  recorded level's graph, or `grad(grad(exp))` is 0. Both arrive as `aten.detach`; they
+  differ in how: a user's call comes down through the dispatcher, which has
+  excluded `ADInplaceOrView` by then, autograd's comes straight from C++ with it
+  included (`is_user_detach`). Wrapped levels answer the latter with `cut(x)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import optree
+import torch
+
+from ..core.interpreter import Interpreter
+from ..core.level_tensor import LevelTensor, is_user_detach
+
+_no_context = contextlib.nullcontext()
+aten = torch.ops.aten
+_META = torch.device("meta")
+
+
+class ADLevel(Interpreter):
+    """Base of the four AD levels (see the module docstring). `prev_grad_mode` is the grad
+    mode outside the transform: an outer `torch.no_grad()` is ignored at this level but
+    still holds for the levels below it (functorch's rule), an inner one is obeyed."""
+
+    __slots__ = ("prev_grad_mode",)
+
+    def __init__(self):
+        super().__init__()
+        self.prev_grad_mode = torch.is_grad_enabled()
+
+    # Results leave as values one level down; what they carry belongs to lower levels.
+    reaches_outside = True
+
+    def seal(self, outputs, inputs) -> None:
+        """After the function ran (nothing to do by default)."""
+
+    def export(self, tree):
+        """Results as they leave the level: this level's tensors replaced by their values."""
+        return unwrap_level(tree, self)
+
+
+def outside_inference_mode():
+    """Inference mode off for the block, if it is on: it switches autograd's recording
+    (reverse and forward) off for every tensor whatever the grad mode, so under
+    `torch.inference_mode()` the AD transforms would silently return zeros."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _no_context
+
+
+@contextlib.contextmanager
+def recording():
+    """What a reverse level needs around the function and its backward: grad mode on, and
+    inference mode off."""
+    with torch.enable_grad(), outside_inference_mode():
+        yield
+
+
+_dual_lock = threading.Lock()
+_dual_users = 0  # functx forward transforms inside the dual level they (or the user) entered
+_dual_entered_by_functx = False
+
+
+@contextlib.contextmanager
+def dual_level():
+    """Be inside torch's (single, process-wide) forward-AD level. The outermost functx
+    forward transform enters it and the last one to leave exits it, which clears every
+    tangent; a dual level the user entered is reused and left alone."""
+    global _dual_users, _dual_entered_by_functx
+    with _dual_lock:
+        if _dual_users == 0:
+            _dual_entered_by_functx = torch.autograd.forward_ad._current_level < 0
+            if _dual_entered_by_functx:
+                torch.autograd.forward_ad.enter_dual_level()
+        _dual_users += 1
+    try:
+        yield
+    finally:
+        with _dual_lock:
+            _dual_users -= 1
+            if _dual_users == 0 and _dual_entered_by_functx:
+                torch.autograd.forward_ad.exit_dual_level()
+
+
+def unwrap_level(tree, interp):
+    """Replace `interp`'s tensors in a pytree by their values (what leaves the level), and
+    strip wrappers of finished levels."""
+
+    def leaf(x):
+        while isinstance(x, LevelTensor) and (x._interp is interp or not x._interp.alive):
+            x = x._interp.unwrap_dead(x) if x._interp is not interp else x._value
+        return x
+
+    return optree.tree_map(leaf, tree)
+
+
+def autograd_grad(outputs, inputs, grad_outputs=None, *, create_graph=True, retain_graph=None):
+    """`torch.autograd.grad` with torch.func's conventions: outputs that do not require grad
+    contribute nothing, inputs that do not reach an output get zeros."""
+    if grad_outputs is None:
+        grad_outputs = [None] * len(outputs)
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(x) for x in inputs)
+    outs, gouts = zip(*pairs)
+    grads = torch.autograd.grad(
+        outs, inputs, gouts, create_graph=create_graph, retain_graph=retain_graph, allow_unused=True
+    )
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+
+# -- ops a wrapped level answers itself, about its own wrappers (None: go down) -----------------
+# torch's autograd (reverse and forward) manages its metadata with these: an alias to attach
+# a tangent to or take it from, layout checks before it attaches one, `.to("meta")` for
+# the shapes of ZeroTensor arithmetic. They are about this level's wrappers, which mirror
+# their values' sizes, strides and offsets, so nothing below is involved.
+def _alias(level, args, kwargs):
+    x = args[0]
+    if isinstance(x, LevelTensor) and x._interp is level:
+        return level.cut(x)
+    return None
+
+
+def _detach(level, args, kwargs):
+    return None if is_user_detach() else _alias(level, args, kwargs)
+
+
+def _same_size(level, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+def _same_storage_numel(level, args, kwargs):
+    a, b = args
+    return a.untyped_storage().nbytes() // a.element_size() == b.untyped_storage().nbytes() // b.element_size()
+
+
+def _to_meta(level, args, kwargs):
+    if kwargs.get("device") != _META:
+        return None
+    x = args[0]
+    return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
+
+
+AT_THIS_LEVEL = {
+    aten.detach.default: _detach,
+    aten._make_dual.default: _alias,
+    aten._fw_primal.default: _alias,
+    aten.is_same_size.default: _same_size,
+    aten._has_same_storage_numel.default: _same_storage_numel,
+    aten.to.dtype_layout: _to_meta,
+}
+"""op -> handler(level, args, kwargs) returning the result, or None to run the op one level down."""

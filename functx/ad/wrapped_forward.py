@@ -1,0 +1,367 @@
+"""Forward mode, wrapped strategy: `DualTensor`s that hold a primal and a tangent.
+
+A `DualTensor` of a jvp level holds its primal (`_value`) and its tangent (`_tangent`, None
+for zero), both one level down. For each op, "one level down" means: make torch dual
+tensors of the primals and tangents *for this op only* (`torch._make_dual` at torch's
+single forward-AD level), run the op on them, and take the primal and tangent of each
+result apart again (`_unpack_dual`). torch's own forward formulas (and an
+`autograd.Function`'s `jvp`) compute the tangents, on values one level down, so their ops
+dispatch through the lower levels like any other.
+
+Where the values one level down are not all plain tensors (a vmap level below: `jacfwd`;
+another jvp level), the duals are made of fresh DualTensors of this level ("carriers")
+instead, so that torch's formulas run on this level's objects and only this level's
+process unwraps them: a dual of a lower level's object would carry its tangent into that
+level's rules (a vmap rule runs its op on physical tensors with autograd on, and would
+propagate the tangent there too).
+
+Why transient duals: torch has one dual level, and a tangent that stays attached to a
+tensor is seen by every op that tensor meets, at every functx level. If an inner jvp's
+op met an outer jvp's value carrying its tangent, torch would mix the outer tangent into
+the inner one (perturbation confusion), and the outer level could no longer see how the
+inner tangent depends on its own input (the mixed partial, dropped). Here a tangent is
+attached only while one op of its own level runs, to objects made for that op; the outer
+level's tangents live inside its own DualTensors, which the inner op's formulas meet as
+ordinary values, so the outer level differentiates the inner tangent too. Forward mode
+therefore nests by construction: `jvp(jvp(f))`, `jacfwd(jacfwd(f))`, `jvp` of a `vmap`.
+
+An op with no forward formula in torch falls back, for that op only, to the double-VJP
+identity (forward.jvp_by_double_vjp).
+
+    >>> import torch
+    >>> from functx.core.interpreter import interpreting
+    >>> from functx.ad.level import dual_level
+    >>> with dual_level(), interpreting(WrappedJvpLevel()) as level:
+    ...     x = level.dual(torch.tensor(0.0), torch.tensor(2.0))
+    ...     primal, tangent = level.unpack(torch.exp(x))
+    >>> primal.item(), tangent.item()
+    (1.0, 2.0)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._decomp
+import torch._decomp.decompositions_for_jvp  # noqa: F401  (torch's forward AD needs them loaded)
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+from ..core.interpreter import current_stack
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from .level import AT_THIS_LEVEL, ADLevel
+from .lifting import FactoryLifting, raise_captured_write
+
+_restore_autograd = torch._C._RestorePythonTLSSnapshot
+_ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
+
+
+def _views_tracked():
+    """`ADInplaceOrView` on: `_make_dual` makes its dual a view there. Restoring the outside
+    dispatch state is not always enough: under a call that torch's autograd itself made
+    (`torch.autograd.grad` making its default cotangent) the saved state has it excluded."""
+    return torch._C._SetExcludeDispatchKeyGuard(_ADInplaceOrView, False)
+_make_dual = torch._make_dual
+_unpack_dual = torch._VF._unpack_dual
+_zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
+_DUAL_LEVEL = 0  # torch has exactly one forward-AD level
+_NO_FORWARD_FORMULA = "Trying to use forward AD with"
+_SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
+aten = torch.ops.aten
+# torch's forward formulas of these normalizations use their mean/rstd outputs, which torch
+# marks non-differentiable: a level below that differentiates the tangent (forward or
+# reverse over forward: jacfwd(jacfwd), jacrev(jacfwd)) would miss their dependence on the
+# input (the Hessian of layer_norm came out wrong by up to 0.5, torch.func's too; finite
+# differences agree with the decomposition). Under another AD level they decompose.
+_DECOMPOSED_WHEN_NESTED = {
+    op: torch._decomp.decomposition_table[op]
+    for op in (
+        aten.native_layer_norm.default, aten.native_group_norm.default, aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_no_training.default,
+    )
+}
+
+
+class DualTensor(LevelTensor):
+    """A tensor inside a wrapped `jvp` level: primal and tangent (None: zero), one level down."""
+
+    @staticmethod
+    def __new__(cls, primal: torch.Tensor, tangent, level: "WrappedJvpLevel"):
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            primal.shape,
+            primal.stride(),
+            primal.storage_offset(),
+            dtype=primal.dtype,
+            device=primal.device,
+            layout=primal.layout,
+        )
+        wrapper._value = primal
+        wrapper._tangent = tangent
+        wrapper._interp = level
+        return wrapper
+
+    def __repr__(self):
+        return f"DualTensor(level={self._interp.level}, primal={self._value!r}, tangent={self._tangent!r})"
+
+    __str__ = __repr__
+
+
+def tangent_of(x: DualTensor):
+    """`x`'s tangent. A view of a DualTensor whose base got a tangent after the view was made
+    (an in-place write into the base or a sibling view) sees its part of the base's tangent,
+    as torch's forward AD does for views."""
+    tangent = x._tangent
+    if tangent is None and x._is_view():
+        base = x._base
+        if type(base) is DualTensor and base._interp is x._interp and base._tangent is not None:
+            tangent = x._tangent = _view_like(base._tangent, base, x)
+    return tangent
+
+
+def _view_like(base_tangent, base, view):
+    """The part of `base_tangent` that `view` is of `base` (tangents are laid out like their
+    primals, so the view's sizes, strides and offset select it)."""
+    offset = view.storage_offset() - base.storage_offset() + base_tangent.storage_offset()
+    return base_tangent.as_strided(view.shape, view.stride(), offset)
+
+
+def _inplace_view(op) -> bool:
+    return torch.Tag.inplace_view in op.tags
+
+
+def _writes_out_argument(op) -> bool:
+    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+_op_kind_cache: dict = {}
+
+
+def _op_kind(op):
+    """(index of the argument an in-place op writes or None, in-place view op?, out= op?)"""
+    kind = _op_kind_cache.get(op)
+    if kind is None:
+        kind = _op_kind_cache[op] = (mutated_argument(op), _inplace_view(op), _writes_out_argument(op))
+    return kind
+
+
+class WrappedJvpLevel(ADLevel):
+    """One `jvp` level over wrapper tensors (see the module docstring)."""
+
+    __slots__ = ("_lifting", "nested")
+
+    def __init__(self):
+        super().__init__()
+        self._lifting = None
+        # another AD level below differentiates what this one computes (_DECOMPOSED_WHEN_NESTED)
+        self.nested = any(isinstance(level, ADLevel) for level in current_stack())
+
+    # -- the stack ---------------------------------------------------------------------------
+    def pushed(self):
+        self._lifting = FactoryLifting(self)
+        self._lifting.__enter__()
+
+    def popped(self):
+        self._lifting.__exit__(None, None, None)
+
+    # -- the AD level protocol (level.py) ------------------------------------------------------
+    def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
+        """The function's input for `primal` with `tangent`. Tangents are kept laid out like
+        their primals (torch's rule for forward gradients), so views of them line up."""
+        if primal.is_inference():  # made under torch.inference_mode(): cannot carry a tangent
+            primal = primal.clone()
+        if tangent.is_inference():
+            tangent = tangent.clone()
+        if tangent.layout == torch.strided and tangent.stride() != primal.stride():
+            tangent = _zeros_like_layout(tangent, primal).copy_(tangent)
+        return DualTensor(primal, tangent, self)
+
+    def unpack(self, x):
+        """`(primal, tangent or None)` of a result, both one level down."""
+        if type(x) is DualTensor and x._interp is self:
+            return x._value, tangent_of(x)
+        return x, None
+
+    def depends(self, output) -> bool:
+        return self.unpack(output)[1] is not None
+
+    def lift(self, value: torch.Tensor) -> DualTensor:
+        """A tensor made inside the function (a factory's result): a constant of this level."""
+        return DualTensor(value, None, self)
+
+    wrap = lift  # autograd.Function outputs on this level's carriers (custom_function.py)
+
+    def cut(self, x: DualTensor) -> DualTensor:
+        """A new DualTensor with the same primal and tangent (an alias torch's autograd uses)."""
+        return DualTensor(x._value, tangent_of(x), self)
+
+    def differentiates(self, x) -> bool:
+        """Whether `x` is a tensor of this level that carries a tangent."""
+        return type(x) is DualTensor and x._interp is self and tangent_of(x) is not None
+
+    # -- one op ------------------------------------------------------------------------------
+    def process(self, op, args, kwargs):
+        here = AT_THIS_LEVEL.get(op)
+        if here is not None:
+            out = here(self, args, kwargs)
+            if out is not None:
+                return out
+        mutated, inplace_view, writes_out = _op_kind(op)
+        if inplace_view:
+            return self._inplace_view(op, args, kwargs)
+        primals, tangents = self.split(args)
+        kw_primals, kw_tangents = self.split(kwargs.values()) if kwargs else ((), ())
+        if mutated is not None and not (type(args[mutated]) is DualTensor and args[mutated]._interp is self):
+            if any(t is not None for t in (*tangents, *kw_tangents)):
+                raise_captured_write(op, "jvp")
+            mutated = None
+        if all(t is None for t in tangents) and all(t is None for t in kw_tangents):
+            with _restore_autograd():  # nothing to differentiate here: the op one level down
+                out = op(*primals, **dict(zip(kwargs, kw_primals)))
+            return args[mutated] if mutated is not None else self.wrap_outputs(out, False)
+        if self.nested and op in _DECOMPOSED_WHEN_NESTED:
+            with _restore_autograd():
+                return _DECOMPOSED_WHEN_NESTED[op](*args, **kwargs)  # its ops come back here
+        if writes_out:
+            raise NotImplementedError(
+                f"functx.jvp: {op} writes into an `out=` tensor, which forward-mode AD does not "
+                f"support; use the out-of-place form."
+            )
+        if mutated is not None and tangents[mutated] is None:
+            tangents[mutated] = self._new_tangent_for_write(args[mutated], next(t for t in tangents if t is not None))
+        carrier = None if _all_plain(primals, tangents, kw_primals, kw_tangents) else self
+        try:
+            with _restore_autograd(), _views_tracked(), _set_fwd_grad_enabled(True):
+                duals = make_duals(primals, tangents, carrier)
+                kw_duals = dict(zip(kwargs, make_duals(kw_primals, kw_tangents, carrier)))
+                out = op(*duals, **kw_duals)
+                if mutated is not None:
+                    return self._write_back(args[mutated], tangents[mutated], duals[mutated])
+                return self.wrap_outputs(out, True)
+        except NotImplementedError as error:
+            if _SPARSE_PRIMAL in str(error):
+                raise NotImplementedError(
+                    f"functx.jvp: {op} on a sparse tensor that carries a tangent: torch cannot attach "
+                    f"a tangent to a sparse tensor (`_make_dual`). Keep the tangent-carrying values "
+                    f"dense (`.to_dense()`), or use reverse mode (vjp, jacrev)."
+                ) from error
+            if _NO_FORWARD_FORMULA not in str(error) or mutated is not None or any(t is _LIST_MARK for t in tangents) or kwargs:
+                raise
+            from .forward import jvp_by_double_vjp  # the transforms import this module
+
+            with _restore_autograd():
+                out, out_tangent = jvp_by_double_vjp(op, primals, tangents, {}, error)
+            return self._wrap_pairs(out, out_tangent)
+
+    def split(self, values):
+        """Primals and tangents (None where zero or not this level's) of op arguments."""
+        primals, tangents = [], []
+        for a in values:
+            if type(a) is DualTensor and a._interp is self:
+                primals.append(a._value)
+                tangents.append(tangent_of(a))
+            elif (type(a) is list or type(a) is tuple) and any(type(e) is DualTensor and e._interp is self for e in a):
+                # a list argument (cat, stack, index): a dual per element
+                inner_p, inner_t = self.split(a)
+                if all(t is None for t in inner_t):
+                    primals.append(type(a)(inner_p))
+                    tangents.append(None)
+                else:
+                    primals.append(_DualList(type(a), inner_p, inner_t))
+                    tangents.append(_LIST_MARK)
+            else:
+                primals.append(a)
+                tangents.append(None)
+        return primals, tangents
+
+    def wrap_outputs(self, out, with_tangents: bool):
+        """This level's DualTensors for an op's results (taken apart from torch duals when
+        `with_tangents`; tangent-less otherwise); non-tensors as they are."""
+        if isinstance(out, torch.Tensor):
+            if not with_tangents:
+                return DualTensor(out, None, self)
+            primal, tangent = _unpack_dual(out, _DUAL_LEVEL)
+            return DualTensor(self._inner(primal), self._inner(tangent), self)
+        if type(out) is tuple or type(out) is list:
+            return type(out)(self.wrap_outputs(o, with_tangents) for o in out)
+        return out
+
+    def _inner(self, x):
+        """What a carrier (or any tensor of this level without a tangent) holds."""
+        return x._value if type(x) is DualTensor and x._interp is self else x
+
+    def _wrap_pairs(self, out, out_tangent):
+        if isinstance(out, torch.Tensor):
+            return DualTensor(out, out_tangent, self)
+        return type(out)(self._wrap_pairs(o, t) for o, t in zip(out, out_tangent))
+
+    def _new_tangent_for_write(self, target: DualTensor, like):
+        """A zero tangent for a tensor without one that an in-place op is about to give one. For a
+        view, the zeros go to its base (the write lands in the base's tangent, as the value
+        lands in the base), and the view's tangent is its part of them."""
+        base = target._base if target._is_view() else None
+        if type(base) is DualTensor and base._interp is self:
+            base._tangent = _zeros_like_layout(like, base._value)
+            target._tangent = _view_like(base._tangent, base, target)
+        else:
+            target._tangent = _zeros_like_layout(like, target._value)
+        return target._tangent
+
+    def _write_back(self, target: DualTensor, tangent, dual):
+        """After an in-place op on `dual` (a dual of `target`'s primal, whose memory it wrote):
+        the new tangent goes into `target`'s tangent in place, so its views and base see it."""
+        new_tangent = self._inner(_unpack_dual(dual, _DUAL_LEVEL)[1])
+        if new_tangent is not None and new_tangent is not tangent:
+            tangent.copy_(new_tangent)
+        return target
+
+    def _inplace_view(self, op, args, kwargs):
+        """`squeeze_`, `transpose_`, `as_strided_`...: change the primal's and the tangent's
+        metadata in place, then the wrapper's."""
+        x = args[0]
+        rest = [a._value if type(a) is DualTensor and a._interp is self else a for a in args[1:]]
+        tangent = tangent_of(x)
+        with _restore_autograd():
+            op(x._value, *rest, **kwargs)
+            if tangent is not None:
+                op(tangent, *rest, **kwargs)
+        replay_inplace_view(op, args, kwargs)
+        return x
+
+
+class _DualList:
+    """A list argument some of whose elements carry tangents: made into duals element-wise."""
+
+    __slots__ = ("kind", "primals", "tangents")
+
+    def __init__(self, kind, primals, tangents):
+        self.kind, self.primals, self.tangents = kind, primals, tangents
+
+
+_LIST_MARK = object()
+
+
+def _plain(x) -> bool:
+    if type(x) is _DualList:
+        return all(_plain(e) for e in (*x.primals, *x.tangents))
+    return not isinstance(x, LevelTensor)
+
+
+def _all_plain(*groups) -> bool:
+    """Whether every value and tangent of an op one level down is plain (or not a tensor)."""
+    return all(_plain(x) for group in groups for x in group)
+
+
+def make_duals(primals, tangents, carrier=None):
+    """torch duals of `primals` with `tangents` (None: no dual): of the values themselves, or,
+    with `carrier` (a level), of fresh tensors of that level holding them."""
+
+    def dual(p, t):
+        if t is None:
+            return p
+        if carrier is not None:
+            p, t = DualTensor(p, None, carrier), DualTensor(t, None, carrier)
+        return _make_dual(p, t, level=_DUAL_LEVEL)
+
+    return [
+        p.kind(dual(e, t) for e, t in zip(p.primals, p.tangents)) if t is _LIST_MARK else dual(p, t)
+        for p, t in zip(primals, tangents)
+    ]

@@ -1,0 +1,192 @@
+"""Reverse mode, wrapped strategy: `GradTensor`s that torch's autograd records.
+
+functx reuses torch's autograd engine once per grad level (design A in DESIGN.md): a
+GradTensor is a wrapper that torch autograd records, and for each op "one level down"
+means: run the op on the wrappers' values with autograd restored (so the levels below
+record their own graphs) and the grad mode of outside the transform. Derivative formulas
+then run on GradTensors and re-dispatch through the lower levels, so every torch
+derivative, `autograd.Function.backward` and `torch.library` autograd registration works
+at every level and composes.
+
+Two traps, both handled in `process`:
+- autograd is switched off inside `__torch_dispatch__`; the op one level down runs with it
+  restored (`_RestorePythonTLSSnapshot`) so lower grad levels record their own graphs;
+- autograd detaches saved outputs through `aten.detach`: that must cut only this level's
+  graph (`cut`: a new wrapper of the same value), or `grad(grad(exp))` is 0. A user's
+  `.detach()` goes down to every level instead (level.py tells the two apart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
+from .level import AT_THIS_LEVEL, ADLevel, autograd_grad
+from .lifting import FactoryLifting, raise_captured_write
+
+_restore_autograd = torch._C._RestorePythonTLSSnapshot
+_view_as_real = torch.ops.aten.view_as_real.default
+_no_context = contextlib.nullcontext()
+
+
+def _lands_in_vmap(values) -> bool:
+    """Whether an op on `values` goes to a vmap level's rule and to nothing that records
+    autograd on its own wrappers: some value is a BatchedTensor, none requires grad at its
+    wrapper level, and no other level's tensor is among them."""
+    batched = False
+    for v in values:
+        if isinstance(v, LevelTensor):
+            if type(v._interp) is not VmapInterpreter or wrapper_requires_grad(v):
+                return False
+            batched = True
+        elif type(v) is list or type(v) is tuple:
+            return False
+    return batched
+
+
+class GradTensor(LevelTensor):
+    """A tensor inside a wrapped `grad`/`vjp` level: the value one level down, recorded by
+    torch autograd at this level."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, level: "WrappedGradLevel", requires_grad: bool = False):
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+            dtype=value.dtype,
+            device=value.device,
+            layout=value.layout,
+            requires_grad=requires_grad,
+        )
+        wrapper._value = value
+        wrapper._interp = level
+        return wrapper
+
+    def __repr__(self):
+        return f"GradTensor(level={self._interp.level}, value={self._value!r}, grad_fn={self.grad_fn})"
+
+    __str__ = __repr__
+
+
+class WrappedGradLevel(ADLevel):
+    """One `grad`/`vjp` level over wrapper tensors (see the module docstring)."""
+
+    __slots__ = ("_lifting",)
+
+    def __init__(self):
+        super().__init__()
+        self._lifting = None
+
+    # -- the stack ---------------------------------------------------------------------------
+    def pushed(self):
+        self._lifting = FactoryLifting(self)
+        self._lifting.__enter__()
+
+    def popped(self):
+        self._lifting.__exit__(None, None, None)
+
+    # -- the AD level protocol (level.py) ------------------------------------------------------
+    def leaf(self, x):
+        return GradTensor(x, self, requires_grad=True)
+
+    def gradient(self, output, leaves):
+        # Results leave as values one level down, where any graph they have belongs to the
+        # levels below: gradients are always built with create_graph=True at this level.
+        return autograd_grad([output], leaves, create_graph=True)
+
+    def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+
+    def depends(self, output) -> bool:
+        """Whether `output` depends on this level's differentiated inputs."""
+        return output.requires_grad
+
+    def lift(self, value):
+        """A tensor made inside the function (a factory's result): a constant of this level."""
+        return GradTensor(value, self)
+
+    def cut(self, x):
+        """The same value, cut from this level's graph (autograd's detach of a saved output)."""
+        return GradTensor(x._value, self)
+
+    wrap = lift  # autograd.Function outputs at this level (custom_function.py)
+
+    # -- one op ------------------------------------------------------------------------------
+    def process(self, op, args, kwargs):
+        here = AT_THIS_LEVEL.get(op)
+        if here is not None:
+            out = here(self, args, kwargs)
+            if out is not None:
+                return out
+        mutated = mutated_argument(op)
+        if mutated is not None and not (type(args[mutated]) is GradTensor and args[mutated]._interp is self):
+            self._check_write_into_foreign(op, args)
+        unwrap = self._unwrap
+        values = [
+            a._value if type(a) is GradTensor and a._interp is self
+            else unwrap(a) if type(a) is list or type(a) is tuple
+            else a
+            for a in args
+        ]
+        if op is _view_as_real and values[0].is_conj():
+            # The wrapper of a lazily conjugated value does not carry the conj bit itself
+            # (copying it breaks second-order gradients of complex ops), so user-level
+            # `resolve_conj()` never reached the value: resolve it here.
+            values[0] = values[0].resolve_conj()
+        kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        # A vmap rule restores autograd for the physical values itself; restoring it here
+        # too would also record the op on the BatchedTensor wrappers: a second graph nobody
+        # differentiates (and its saved-tensor detaches).
+        with _no_context if _lands_in_vmap(values) else _restore_autograd():
+            if self.prev_grad_mode:
+                out = op(*values, **kw_values)
+            else:
+                with torch.no_grad():
+                    out = op(*values, **kw_values)
+        if mutated is None and isinstance(out, torch.Tensor):  # the common case
+            return GradTensor(out, self)
+        return self._wrap_result(op, args, mutated, out)
+
+    def _check_write_into_foreign(self, op, args):
+        """An in-place write into a tensor that is not this level's, of a value this level
+        differentiates, would record this level's history on a lower level's object."""
+        for a in args:
+            if type(a) is GradTensor and a._interp is self and a.requires_grad:
+                raise_captured_write(op, "grad")
+            if type(a) is list or type(a) is tuple:
+                self._check_write_into_foreign(op, a)
+
+    def _unwrap(self, x):
+        if type(x) is GradTensor and x._interp is self:
+            return x._value
+        if type(x) is list or type(x) is tuple:
+            return type(x)(self._unwrap(e) for e in x)
+        return x
+
+    def _wrap_result(self, op, args, mutated, out):
+        if mutated is not None:  # in-place: the value changed under the same wrapper
+            if torch.Tag.inplace_view in op.tags:
+                replay_inplace_view(op, args, {})
+            return args[mutated]
+        if isinstance(out, torch.Tensor):
+            return GradTensor(out, self)
+        if type(out) is tuple or type(out) is list:
+            return type(out)(
+                GradTensor(o, self) if isinstance(o, torch.Tensor)
+                else [GradTensor(e, self) for e in o] if type(o) is list
+                else o
+                for o in out
+            )
+        return out
+
+    # -- after the transform returned ----------------------------------------------------------
+    def rebox_dead(self, value):
+        return GradTensor(value, self)
+
+    def detach_dead(self, x):
+        return GradTensor(x._value, self)  # cut the dead level's graph only, as in process

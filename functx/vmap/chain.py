@@ -1,0 +1,71 @@
+"""A value under several vmap levels: a chain of BatchedTensors over a plain tensor.
+
+The direct AD levels (ad/direct_reverse.py, ad/direct_forward.py) run torch's autograd on
+the plain ("physical") tensor under the wrappers of the vmap levels below them; its dims
+are the batch dims of those levels, outermost level first, then the logical dims.
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from ..core.level_tensor import LevelTensor
+from .batched_tensor import BatchedTensor, VmapInterpreter
+
+
+def vmap_levels_on_top(stack, below_ok, tensors):
+    """The vmap levels on top of `stack` (innermost last) when everything under them is
+    plain: the levels below them satisfy `below_ok`, and every tensor in `tensors` is real
+    and plain under those levels' wrappers. None otherwise."""
+    vmap_levels = []
+    for level in reversed(stack):
+        if type(level) is not VmapInterpreter:
+            break
+        vmap_levels.append(level)
+    if not vmap_levels or not all(below_ok(level) for level in stack[: len(stack) - len(vmap_levels)]):
+        return None
+    vmap_levels.reverse()
+    for x in optree.tree_leaves(tensors):
+        if isinstance(x, torch.Tensor):
+            x = peel(vmap_levels, x)
+            if isinstance(x, LevelTensor) or x.is_complex():
+                return None
+    return vmap_levels
+
+
+def peel(vmap_levels, x):
+    """The tensor under `x`'s wrappers of `vmap_levels`."""
+    while type(x) is BatchedTensor and x._interp in vmap_levels:
+        x = x._value
+    return x
+
+
+def batched_everywhere(vmap_levels, x):
+    """The plain tensor of `x` batched at every level (batch dims outermost level first):
+    a level where `x` is not batched gets its batch dim by an expand, made through the
+    levels below so it is a view of what they hold."""
+    for level in reversed(vmap_levels):
+        if type(x) is BatchedTensor and x._interp is level:
+            x = x._value
+        else:
+            x = x.expand(level.batch_size, *x.shape)
+    return x
+
+
+def wrap_chain(vmap_levels, physical):
+    """`physical` (batched at every level) as the innermost level's tensor."""
+    for level in vmap_levels:
+        physical = BatchedTensor(physical, level)
+    return physical
+
+
+def rewrap_like(like, vmap_levels, physical):
+    """`physical` under the same chain of `vmap_levels`' wrappers as `like` has."""
+    chain = []
+    while type(like) is BatchedTensor and like._interp in vmap_levels:
+        chain.append(like._interp)
+        like = like._value
+    for level in reversed(chain):
+        physical = BatchedTensor(physical, level)
+    return physical
