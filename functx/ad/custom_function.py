@@ -117,7 +117,7 @@ def apply_at_jvp_level(level, function, args, kwargs):
         return level.wrap_outputs(function.apply(*primals, **kwargs), False)
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
         raise RuntimeError(_no_jvp_message(function.__name__))
-    plain = all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in (*primals, *tangents))
+    plain = all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
     with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
         duals = make_duals(primals, tangents, None if plain else level)
         if plain:  # torch's own apply on the duals calls its jvp

@@ -8,12 +8,14 @@ result apart again (`_unpack_dual`). torch's own forward formulas (and an
 `autograd.Function`'s `jvp`) compute the tangents, on values one level down, so their ops
 dispatch through the lower levels like any other.
 
-Where the values one level down are not all plain tensors (a vmap level below: `jacfwd`;
-another jvp level), the duals are made of fresh DualTensors of this level ("carriers")
-instead, so that torch's formulas run on this level's objects and only this level's
-process unwraps them: a dual of a lower level's object would carry its tangent into that
-level's rules (a vmap rule runs its op on physical tensors with autograd on, and would
-propagate the tangent there too).
+Where the op's values one level down (its primals and other arguments, not the tangents)
+are not all plain tensors (a batched value under `vmap(jvp)`, another jvp level's value),
+the duals are made of fresh DualTensors of this level ("carriers") instead, so that
+torch's formulas run on this level's objects and only this level's process unwraps them:
+otherwise the op would reach that lower level's rule with a dual among its arguments, and
+the rule, running the op on its own values with autograd on, would propagate this level's
+tangent there too. Tangents may be anything (`jacfwd`: plain primals, batched tangents):
+torch's formulas see them only beside primal views, which carry no tangent.
 
 Why transient duals: torch has one dual level, and a tangent that stays attached to a
 tensor is seen by every op that tensor meets, at every functx level. If an inner jvp's
@@ -40,6 +42,8 @@ identity (forward.jvp_by_double_vjp).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._decomp
 import torch._decomp.decompositions_for_jvp  # noqa: F401  (torch's forward AD needs them loaded)
@@ -52,6 +56,15 @@ from .lifting import FactoryLifting, raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
+
+
+_no_context = contextlib.nullcontext()
+
+
+def _forward_ad_on():
+    """torch's forward AD switched on (the jvp transform switches it on for the function;
+    torch switches it off inside an autograd.Function's forward and jvp)."""
+    return _no_context if torch._C._is_fwd_grad_enabled() else _set_fwd_grad_enabled(True)
 
 
 def _views_tracked():
@@ -135,11 +148,16 @@ def _writes_out_argument(op) -> bool:
 _op_kind_cache: dict = {}
 
 
+_OUT_OF_PLACE = (None, False, False)
+_GENERAL = object()  # `_out_of_place` declined: the general path of `process`
+
+
 def _op_kind(op):
     """(index of the argument an in-place op writes or None, in-place view op?, out= op?)"""
     kind = _op_kind_cache.get(op)
     if kind is None:
-        kind = _op_kind_cache[op] = (mutated_argument(op), _inplace_view(op), _writes_out_argument(op))
+        kind = (mutated_argument(op), _inplace_view(op), _writes_out_argument(op))
+        kind = _op_kind_cache[op] = _OUT_OF_PLACE if kind == _OUT_OF_PLACE else kind
     return kind
 
 
@@ -204,7 +222,14 @@ class WrappedJvpLevel(ADLevel):
             out = here(self, args, kwargs)
             if out is not None:
                 return out
-        mutated, inplace_view, writes_out = _op_kind(op)
+        kind = _op_kind_cache.get(op)
+        if kind is None:
+            kind = _op_kind(op)
+        if kind is _OUT_OF_PLACE:
+            out = self._out_of_place(op, args, kwargs)
+            if out is not _GENERAL:
+                return out
+        mutated, inplace_view, writes_out = kind
         if inplace_view:
             return self._inplace_view(op, args, kwargs)
         primals, tangents = self.split(args)
@@ -227,9 +252,9 @@ class WrappedJvpLevel(ADLevel):
             )
         if mutated is not None and tangents[mutated] is None:
             tangents[mutated] = self._new_tangent_for_write(args[mutated], next(t for t in tangents if t is not None))
-        carrier = None if _all_plain(primals, tangents, kw_primals, kw_tangents) else self
+        carrier = None if _all_plain(primals, kw_primals) else self
         try:
-            with _restore_autograd(), _views_tracked(), _set_fwd_grad_enabled(True):
+            with _restore_autograd(), _views_tracked(), _forward_ad_on():
                 duals = make_duals(primals, tangents, carrier)
                 kw_duals = dict(zip(kwargs, make_duals(kw_primals, kw_tangents, carrier)))
                 out = op(*duals, **kw_duals)
@@ -250,6 +275,57 @@ class WrappedJvpLevel(ADLevel):
             with _restore_autograd():
                 out, out_tangent = jvp_by_double_vjp(op, primals, tangents, {}, error)
             return self._wrap_pairs(out, out_tangent)
+
+    def _out_of_place(self, op, args, kwargs):
+        """`process` for the common case, in one pass: an out-of-place op whose tensors of
+        this level are positional arguments (not in lists). `_GENERAL` for anything else."""
+        values = list(args)
+        tangents = None
+        plain = True
+        for i in range(len(values)):
+            a = values[i]
+            if type(a) is DualTensor:
+                if a._interp is not self:
+                    plain = False  # another jvp level's value
+                    continue
+                value = values[i] = a._value
+                tangent = a._tangent
+                if tangent is None:
+                    tangent = tangent_of(a)
+                if tangent is not None:
+                    if tangents is None:
+                        tangents = [None] * len(values)
+                    tangents[i] = tangent
+                if plain and isinstance(value, LevelTensor):
+                    plain = False
+            elif type(a) is list or type(a) is tuple:
+                return _GENERAL
+            elif plain and isinstance(a, LevelTensor):
+                plain = False
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, LevelTensor) or type(v) is list or type(v) is tuple:
+                    return _GENERAL
+        if tangents is None:
+            with _restore_autograd():  # nothing to differentiate here: the op one level down
+                out = op(*values, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return DualTensor(out, None, self)
+            return self.wrap_outputs(out, False)
+        if not plain or (self.nested and op in _DECOMPOSED_WHEN_NESTED):
+            return _GENERAL
+        try:
+            with _restore_autograd(), _views_tracked(), _forward_ad_on():
+                for i, tangent in enumerate(tangents):
+                    if tangent is not None:
+                        values[i] = _make_dual(values[i], tangent, _DUAL_LEVEL)
+                out = op(*values, **kwargs)
+                if isinstance(out, torch.Tensor):
+                    primal, tangent = _unpack_dual(out, _DUAL_LEVEL)
+                    return DualTensor(primal, tangent, self)
+                return self.wrap_outputs(out, True)
+        except NotImplementedError:
+            return _GENERAL  # the general path raises or falls back
 
     def split(self, values):
         """Primals and tangents (None where zero or not this level's) of op arguments."""
@@ -341,12 +417,14 @@ _LIST_MARK = object()
 
 def _plain(x) -> bool:
     if type(x) is _DualList:
-        return all(_plain(e) for e in (*x.primals, *x.tangents))
+        return all(_plain(e) for e in x.primals)
+    if type(x) is list or type(x) is tuple:
+        return all(_plain(e) for e in x)
     return not isinstance(x, LevelTensor)
 
 
 def _all_plain(*groups) -> bool:
-    """Whether every value and tangent of an op one level down is plain (or not a tensor)."""
+    """Whether every value of an op one level down is plain (or not a tensor)."""
     return all(_plain(x) for group in groups for x in group)
 
 

@@ -22,13 +22,16 @@ def _storage_numel(t: torch.Tensor) -> int:
 @VMAP_RULES.register(aten._new_zeros_with_same_feature_meta.default)
 def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
     # Batched (it becomes the tangent of a batched primal, or receives a batched tangent),
-    # and per batch element laid out like `other`, so views of the primal apply to it.
+    # and per batch element laid out like `other`, so views of the primal apply to it. Made
+    # with `new_zeros` of `other`'s value: a fresh buffer of every level below (a tangent
+    # written in place later may carry their derivatives: jacfwd of jacfwd).
     lead = x.shape[:self_num_batch_dims]
+    below = interp.unwrap(other)
     if interp.is_batched(other) or self_num_batch_dims:
         shape = (interp.batch_size, *lead, *other.shape)
-        return interp.wrap(torch.zeros(shape, dtype=x.dtype, device=x.device))
+        return interp.wrap(below.new_zeros(shape, dtype=x.dtype))
     per_sample = _storage_numel(other)
-    storage = torch.zeros(interp.batch_size * per_sample, dtype=x.dtype, device=x.device)
+    storage = below.new_zeros(interp.batch_size * per_sample, dtype=x.dtype)
     physical = storage.as_strided((interp.batch_size, *other.shape), (per_sample, *other.stride()), other.storage_offset())
     return interp.wrap(physical)
 
