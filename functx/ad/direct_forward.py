@@ -28,6 +28,7 @@ import torch
 from ..vmap.chain import batched_everywhere, peel, rewrap_like, wrap_chain
 from .direct_reverse import install_direct_level, restore_direct_level
 from .level import ADLevel
+from .wrapped_forward import load_forward_decompositions
 
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
@@ -42,6 +43,7 @@ class DirectJvpLevel(ADLevel):
 
     def __init__(self, vmap_levels):
         super().__init__()
+        load_forward_decompositions()
         self.vmap_levels = tuple(vmap_levels)
         self._outer = ()
 

@@ -26,6 +26,7 @@ from .arguments import check_argnums, check_outputs, identity_rows, replace_argn
 from .choose import choose_level
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
+from .wrapped_forward import NO_FORWARD_FORMULA
 
 _JVP = "jvp(f, primals, tangents)"
 
@@ -74,7 +75,6 @@ def _check_primals_tangents(primals, tangents, api):
     return flat_tangents
 
 
-_NO_FORWARD_FORMULA = "Trying to use forward AD with"
 
 
 def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
@@ -122,7 +122,7 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
     try:
         return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform)
     except NotImplementedError as error:
-        if _NO_FORWARD_FORMULA not in str(error):
+        if NO_FORWARD_FORMULA not in str(error):
             raise
         _warn_no_forward_formula(error, stacklevel=4)
         return _double_vjp_jvp(func, primals, flat_tangents, has_aux, api)

@@ -46,7 +46,6 @@ import contextlib
 
 import torch
 import torch._decomp
-import torch._decomp.decompositions_for_jvp  # noqa: F401  (torch's forward AD needs them loaded)
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
@@ -55,10 +54,42 @@ from .level import AT_THIS_LEVEL, ADLevel
 from .lifting import FactoryLifting, raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
+_make_dual = torch._make_dual
+_unpack_dual = torch._VF._unpack_dual
+_zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
+_DUAL_LEVEL = 0  # torch has exactly one forward-AD level
 _ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
-
-
+NO_FORWARD_FORMULA = "Trying to use forward AD with"  # torch's error for an op without one
+_SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
 _no_context = contextlib.nullcontext()
+aten = torch.ops.aten
+
+# torch's forward formulas of these normalizations use their mean/rstd outputs, which torch
+# marks non-differentiable: a level below that differentiates the tangent (forward or
+# reverse over forward: jacfwd(jacfwd), jacrev(jacfwd)) would miss their dependence on the
+# input (the Hessian of layer_norm came out wrong by up to 0.5, torch.func's too; finite
+# differences agree with the decomposition). Under another AD level they decompose.
+_DECOMPOSED_WHEN_NESTED = {
+    op: torch._decomp.decomposition_table[op]
+    for op in (
+        aten.native_layer_norm.default, aten.native_group_norm.default, aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_no_training.default,
+    )
+}
+
+
+_forward_decompositions_loaded = False
+
+
+def load_forward_decompositions():
+    """torch's forward AD runs some ops' forward derivative by a TorchScript decomposition
+    that torch registers on importing this module (torch.autograd.forward_ad.make_dual does it
+    too). It takes 0.3 s: the first jvp pays it, not `import functx`."""
+    global _forward_decompositions_loaded
+    if not _forward_decompositions_loaded:
+        import torch._decomp.decompositions_for_jvp  # noqa: F401
+
+        _forward_decompositions_loaded = True
 
 
 def _forward_ad_on():
@@ -72,25 +103,6 @@ def _views_tracked():
     dispatch state is not always enough: under a call that torch's autograd itself made
     (`torch.autograd.grad` making its default cotangent) the saved state has it excluded."""
     return torch._C._SetExcludeDispatchKeyGuard(_ADInplaceOrView, False)
-_make_dual = torch._make_dual
-_unpack_dual = torch._VF._unpack_dual
-_zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
-_DUAL_LEVEL = 0  # torch has exactly one forward-AD level
-_NO_FORWARD_FORMULA = "Trying to use forward AD with"
-_SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
-aten = torch.ops.aten
-# torch's forward formulas of these normalizations use their mean/rstd outputs, which torch
-# marks non-differentiable: a level below that differentiates the tangent (forward or
-# reverse over forward: jacfwd(jacfwd), jacrev(jacfwd)) would miss their dependence on the
-# input (the Hessian of layer_norm came out wrong by up to 0.5, torch.func's too; finite
-# differences agree with the decomposition). Under another AD level they decompose.
-_DECOMPOSED_WHEN_NESTED = {
-    op: torch._decomp.decomposition_table[op]
-    for op in (
-        aten.native_layer_norm.default, aten.native_group_norm.default, aten.native_batch_norm.default,
-        aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_no_training.default,
-    )
-}
 
 
 class DualTensor(LevelTensor):
@@ -168,6 +180,7 @@ class WrappedJvpLevel(ADLevel):
 
     def __init__(self):
         super().__init__()
+        load_forward_decompositions()
         self._lifting = None
         # another AD level below differentiates what this one computes (_DECOMPOSED_WHEN_NESTED)
         self.nested = any(isinstance(level, ADLevel) for level in current_stack())
@@ -210,10 +223,6 @@ class WrappedJvpLevel(ADLevel):
     def cut(self, x: DualTensor) -> DualTensor:
         """A new DualTensor with the same primal and tangent (an alias torch's autograd uses)."""
         return DualTensor(x._value, tangent_of(x), self)
-
-    def differentiates(self, x) -> bool:
-        """Whether `x` is a tensor of this level that carries a tangent."""
-        return type(x) is DualTensor and x._interp is self and tangent_of(x) is not None
 
     # -- one op ------------------------------------------------------------------------------
     def process(self, op, args, kwargs):
@@ -268,7 +277,8 @@ class WrappedJvpLevel(ADLevel):
                     f"a tangent to a sparse tensor (`_make_dual`). Keep the tangent-carrying values "
                     f"dense (`.to_dense()`), or use reverse mode (vjp, jacrev)."
                 ) from error
-            if _NO_FORWARD_FORMULA not in str(error) or mutated is not None or any(t is _LIST_MARK for t in tangents) or kwargs:
+            simple = mutated is None and not kwargs and all(t is not _LIST_MARK for t in tangents)
+            if NO_FORWARD_FORMULA not in str(error) or not simple:
                 raise
             from .forward import jvp_by_double_vjp  # the transforms import this module
 

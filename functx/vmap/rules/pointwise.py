@@ -89,9 +89,17 @@ for _op in (
         VMAP_RULES.set(_op, logical_memory_format(_op, pointwise_rule(_op)))
 
 
+_META = torch.device("meta")
+
+
 # `to` returns `self` itself when nothing changes, so the rule returns the same wrapper.
 def _to_rule(op):
     def rule(interp, x, *args, **kwargs):
+        if kwargs.get("device") == _META and op is aten.to.dtype_layout:
+            # torch's ZeroTensor arithmetic (a tangent that is zero) asks for a result's shape
+            # by running the op on `.to("meta")` copies: the logical metadata is enough, and
+            # the zeros it then makes need no batch dim.
+            return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
         value = x._value
         out = op(value, *args, **kwargs)
         return x if out is value else interp.wrap(out)
