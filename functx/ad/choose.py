@@ -5,7 +5,10 @@
   inner level, cutting the plain graph: vjp of vjp of `torch.polar`);
 - `grad` right inside k >= 1 vmap levels, `jacrev` right inside exactly one, `jvp` right
   inside k >= 1: direct on vmap's physical tensors, when everything under those vmap
-  levels is plain (below them only outermost direct grad levels) and the inputs are real;
+  levels is plain (below them only outermost direct grad levels; for `jvp` nothing: an AD
+  level below would differentiate torch's forward formulas in C++, and some of those
+  cannot be differentiated right, see wrapped_forward._DECOMPOSED_WHEN_NESTED) and the
+  inputs are real;
 - everything else wraps. `vjp` does because a user's `vjp_fn` may be called later under any
   levels (linearize and jvp's fallback call it under a new grad level, which a physical
   graph cannot serve); `jacfwd` because its columns would each recompute the primal on the
@@ -34,6 +37,10 @@ def _outermost_direct_grad(level) -> bool:
     return type(level) is DirectGradLevel and not level.vmap_levels
 
 
+def _nothing(level) -> bool:
+    return False
+
+
 def choose_level(transform: str, differentiated):
     """A new AD level for one call of `transform` ("grad", "vjp", "jacrev", "jvp" or
     "jacfwd") whose differentiated inputs are the tensors in `differentiated`."""
@@ -51,7 +58,7 @@ def choose_level(transform: str, differentiated):
     if transform not in FORWARD:
         raise ValueError(f"unknown transform {transform!r}")
     if transform == "jvp" and stack:
-        vmap_levels = vmap_levels_on_top(stack, _outermost_direct_grad, differentiated)
+        vmap_levels = vmap_levels_on_top(stack, _nothing, differentiated)
         if vmap_levels is not None:
             return DirectJvpLevel(vmap_levels)
     return WrappedJvpLevel()

@@ -15,7 +15,10 @@ torch's formulas run on this level's objects and only this level's process unwra
 otherwise the op would reach that lower level's rule with a dual among its arguments, and
 the rule, running the op on its own values with autograd on, would propagate this level's
 tangent there too. Tangents may be anything (`jacfwd`: plain primals, batched tangents):
-torch's formulas see them only beside primal views, which carry no tangent.
+torch's formulas see them only beside primal views, which carry no tangent. Carriers are
+used too when another AD level lies below (`nested`): torch's formulas take faster
+in-place paths on plain tensors (`logsumexp_jvp`: `exp_p *= self_t`) that write into
+tensors a reverse level below saved, and out-of-place paths on tensor subclasses.
 
 Why transient duals: torch has one dual level, and a tangent that stays attached to a
 tensor is seen by every op that tensor meets, at every functx level. If an inner jvp's
@@ -49,7 +52,7 @@ import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from ..core.level_tensor import LevelTensor, level_of, mutated_argument, replay_inplace_view
 from .level import AT_THIS_LEVEL, ADLevel
 from .lifting import FactoryLifting, raise_captured_write
 
@@ -59,16 +62,20 @@ _unpack_dual = torch._VF._unpack_dual
 _zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
 _DUAL_LEVEL = 0  # torch has exactly one forward-AD level
 _ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
+_AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
+_tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 NO_FORWARD_FORMULA = "Trying to use forward AD with"  # torch's error for an op without one
 _SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
 _no_context = contextlib.nullcontext()
 aten = torch.ops.aten
 
-# torch's forward formulas of these normalizations use their mean/rstd outputs, which torch
-# marks non-differentiable: a level below that differentiates the tangent (forward or
-# reverse over forward: jacfwd(jacfwd), jacrev(jacfwd)) would miss their dependence on the
-# input (the Hessian of layer_norm came out wrong by up to 0.5, torch.func's too; finite
-# differences agree with the decomposition). Under another AD level they decompose.
+# Ops whose forward derivative in torch cannot itself be differentiated right, so under
+# another AD level (forward or reverse over forward: jacfwd(jacfwd), jacrev(jacfwd),
+# vjp(jvp)) they decompose (torch._decomp) into ops whose derivatives can:
+# - the normalizations' formulas use their mean/rstd outputs, which torch marks
+#   non-differentiable: the outer level misses their dependence on the input (the Hessian
+#   of layer_norm came out wrong by up to 0.5, torch.func's too; finite differences agree
+#   with the decomposition);
 _DECOMPOSED_WHEN_NESTED = {
     op: torch._decomp.decomposition_table[op]
     for op in (
@@ -146,7 +153,30 @@ def _view_like(base_tangent, base, view):
     """The part of `base_tangent` that `view` is of `base` (tangents are laid out like their
     primals, so the view's sizes, strides and offset select it)."""
     offset = view.storage_offset() - base.storage_offset() + base_tangent.storage_offset()
-    return base_tangent.as_strided(view.shape, view.stride(), offset)
+    with _as_outside():  # a view torch's autograd knows: writes into it reach the base's graph
+        return base_tangent.as_strided(view.shape, view.stride(), offset)
+
+
+def _as_outside():
+    """Inside `__torch_dispatch__` (autograd excluded), the dispatch state of outside for a
+    block: tensors made there are recorded by the levels below and tracked as views, as the
+    op's own results are. Outside, nothing to do."""
+    if _tls_excluded(_AUTOGRAD_CPU) or _tls_excluded(_ADInplaceOrView):
+        return _InsideOut()
+    return _no_context
+
+
+class _InsideOut:
+    __slots__ = ("_guards",)
+
+    def __enter__(self):
+        self._guards = (_restore_autograd(), _views_tracked())
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
 
 
 def _inplace_view(op) -> bool:
@@ -201,7 +231,11 @@ class WrappedJvpLevel(ADLevel):
             primal = primal.clone()
         if tangent.is_inference():
             tangent = tangent.clone()
-        if tangent.layout == torch.strided and tangent.stride() != primal.stride():
+        if tangent.layout == torch.strided and (
+            tangent.stride() != primal.stride() or level_of(tangent) < level_of(primal)
+        ):
+            # laid out like the primal, and a tensor of the levels the primal lives at: torch's
+            # formulas write into tangents in place (`sin_`), with values of those levels
             tangent = _zeros_like_layout(tangent, primal).copy_(tangent)
         return DualTensor(primal, tangent, self)
 
@@ -261,7 +295,7 @@ class WrappedJvpLevel(ADLevel):
             )
         if mutated is not None and tangents[mutated] is None:
             tangents[mutated] = self._new_tangent_for_write(args[mutated], next(t for t in tangents if t is not None))
-        carrier = None if _all_plain(primals, kw_primals) else self
+        carrier = None if not self.nested and _all_plain(primals, kw_primals) else self
         try:
             with _restore_autograd(), _views_tracked(), _forward_ad_on():
                 duals = make_duals(primals, tangents, carrier)
@@ -322,7 +356,7 @@ class WrappedJvpLevel(ADLevel):
             if isinstance(out, torch.Tensor):
                 return DualTensor(out, None, self)
             return self.wrap_outputs(out, False)
-        if not plain or (self.nested and op in _DECOMPOSED_WHEN_NESTED):
+        if not plain or self.nested:
             return _GENERAL
         try:
             with _restore_autograd(), _views_tracked(), _forward_ad_on():
@@ -384,11 +418,12 @@ class WrappedJvpLevel(ADLevel):
         view, the zeros go to its base (the write lands in the base's tangent, as the value
         lands in the base), and the view's tangent is its part of them."""
         base = target._base if target._is_view() else None
-        if type(base) is DualTensor and base._interp is self:
-            base._tangent = _zeros_like_layout(like, base._value)
-            target._tangent = _view_like(base._tangent, base, target)
-        else:
-            target._tangent = _zeros_like_layout(like, target._value)
+        with _as_outside():
+            if type(base) is DualTensor and base._interp is self:
+                base._tangent = _zeros_like_layout(like, base._value)
+                target._tangent = _view_like(base._tangent, base, target)
+            else:
+                target._tangent = _zeros_like_layout(like, target._value)
         return target._tangent
 
     def _write_back(self, target: DualTensor, tangent, dual):

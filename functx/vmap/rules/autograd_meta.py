@@ -27,6 +27,10 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
     # written in place later may carry their derivatives: jacfwd of jacfwd).
     lead = x.shape[:self_num_batch_dims]
     below = interp.unwrap(other)
+    if interp.is_batched(other) and not self_num_batch_dims:
+        # laid out like `other`'s physical value (in_dims=1 leaves it strided), so a view's
+        # tangent is the same view of the base's tangent
+        return interp.wrap(torch.zeros_like(below, dtype=x.dtype))
     if interp.is_batched(other) or self_num_batch_dims:
         shape = (interp.batch_size, *lead, *other.shape)
         return interp.wrap(below.new_zeros(shape, dtype=x.dtype))

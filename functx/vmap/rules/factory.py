@@ -26,4 +26,9 @@ def _new_full(interp, x, size, fill_value, **kwargs):
 
 @VMAP_RULES.register(aten.new_empty_strided.default)
 def _new_empty_strided(interp, x, size, stride, **kwargs):
-    return interp.wrap(x._value.new_empty((interp.batch_size, *size), **kwargs))
+    # Each element laid out with the strides asked for, in its own slice of the storage:
+    # autograd's CopySlices reads its views back with `as_strided` (vmap's rule counts
+    # offsets from each element's slice), so the layout must be the one it asked for.
+    extent = 0 if any(s == 0 for s in size) else 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    physical = x._value.new_empty_strided((interp.batch_size, *size), (extent, *stride), **kwargs)
+    return interp.wrap(physical)

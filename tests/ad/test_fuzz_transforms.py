@@ -1,0 +1,1015 @@
+"""Differential fuzzer: random small programs under random transform stacks, functx against
+reference transforms written in plain torch float64.
+
+A case is data (`Case(program, stack, seed)`), so hypothesis shrinks it and prints it as code
+that runs: paste a falsifying example into `check(...)` to get a regression test (the ones at
+the bottom of this file came from this fuzzer).
+
+- `Program`: a function of 1 or 2 float64 tensors made of 2-6 ops (pointwise, reductions,
+  views and indexing, matmul / softmax / conv1d with closed-over constants, `torch.where`,
+  in-place writes into clones and into fresh buffers, `detach`); each op's comment is the code
+  it runs.
+- `stack`: 1-3 transforms, outermost first, from {vmap, grad, vjp, jvp, jacrev, jacfwd,
+  hessian}. Each maps a function of the program's tensors to a function of the same tensors
+  returning one tensor, so stacks compose: vmap stacks fixed affine copies of its batched
+  arguments along random in_dims and keeps the batch dim at out_dims; grad and hessian
+  differentiate a fixed random weighting of the output; vjp / jvp use fixed random
+  cotangents / tangents (jvp returns `stack([primal, tangent])`); Jacobians with several
+  argnums are concatenated flat; outputs of more than 12 elements go through a fixed random
+  projection to 6. `mix=True` makes the transformed function close over the transform's own
+  inputs (`f(y * (1 + 0.5 sin(x)))` with `y` the transform's argument and `x` the outer
+  value): the closures across levels where mixed partials live.
+- `Ref`: the reference transforms. vmap is a Python loop + `torch.stack`; grad / vjp /
+  jacrev are `torch.autograd.grad(create_graph=True)` (Jacobian row by row); jvp / jacfwd use
+  the double-vjp identity `J t = d/du <J^T u, t>` (never `torch.autograd.forward_ad`, which
+  cannot nest); hessian is `jacfwd(jacrev)`. Each level differentiates a fresh node of its
+  inputs (`x.clone()`, still connected to the outer levels' graph), so nesting is plain
+  autograd with create_graph. `detach()` stops every level, as in torch.func / JAX.
+  `test_reference_matches_finite_differences` checks the reference itself against central
+  differences at depth 1.
+
+functx must match the reference (float64, rtol = atol = 1e-6) or raise one of the errors in
+`ALLOWED_ERRORS` (each also raised by torch.func on the same case, which is checked).
+
+Examples per fuzz test: FUNCTX_FUZZ_EXAMPLES (default 300: the whole file runs in about a
+minute on one core, shrinking included). The long run (roughly 10 minutes once the fuzz tests
+pass; a failing one stops generating early):
+
+    FUNCTX_FUZZ_EXAMPLES=5000 .venv/bin/python -m pytest tests/ad/test_fuzz_transforms.py -q -p no:xdist
+
+A failing fuzz test prints its shrunk `Case(...)`; hypothesis reports each distinct error
+(exception type and place) it found, so one run can list several.
+"""
+
+import math
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import torch.func
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, currently_in_test_context, event, given, settings
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_leaves
+
+import functx
+from functx.core import current_stack
+
+D = torch.float64
+EXAMPLES = int(os.environ.get("FUNCTX_FUZZ_EXAMPLES", "300"))
+INPUT_SHAPES = [(3,), (2, 3), (4,)]
+MAX_NUMEL, MAX_NDIM = 16, 3  # bound on every intermediate value of a program
+SQUASH_ABOVE, SQUASH_TO = 12, 6  # transform outputs larger than this are projected
+RTOL = ATOL = 1e-6
+
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=EXAMPLES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+
+
+def const(seed, shape):
+    """A fixed random float64 tensor; always created outside every transform."""
+    return torch.randn(tuple(shape), dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+def numel(shape):
+    return math.prod(shape)
+
+
+def _kwargs_repr(params):
+    return ", ".join(f"{k}={v!r}" for k, v in params.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Programs
+# ---------------------------------------------------------------------------------------------
+
+
+def _broadcasts(small, big):
+    try:
+        return tuple(torch.broadcast_shapes(tuple(small), tuple(big))) == tuple(big)
+    except RuntimeError:
+        return False
+
+
+class Op:
+    """One op of a program, applied to the current value `a` (the previous op's result, or
+    `x0` first). `j` names another value (an input or an earlier result) for binary ops; it is
+    used elementwise when it broadcasts to `a`, else through `.sum()`."""
+
+    def __init__(self, name, **params):
+        self.name, self.params = name, params
+
+    def __repr__(self):
+        rest = _kwargs_repr(self.params)
+        return f"Op({self.name!r}{', ' if rest else ''}{rest})"
+
+    def build(self, shapes, cur, names):
+        """-> (fn(values) -> tensor, output shape, source). Constants are made here."""
+        p, s, a = self.params, tuple(shapes[cur]), names[cur]
+        n, nd = numel(s), len(s)
+        name = self.name
+
+        def operand(j):
+            if _broadcasts(shapes[j], s):
+                return (lambda vals: vals[j]), names[j]
+            return (lambda vals: vals[j].sum()), f"{names[j]}.sum()"
+
+        if name in ("sin", "tanh", "sigmoid"):
+            return (lambda vals: getattr(torch, name)(vals[cur])), s, f"torch.{name}({a})"
+        if name == "exp":
+            return (lambda vals: torch.exp(0.5 * vals[cur])), s, f"torch.exp(0.5 * {a})"
+        if name == "pow":
+            return (lambda vals: vals[cur].pow(p["p"])), s, f"{a}.pow({p['p']})"
+        if name == "where":
+            return (lambda vals: torch.where(vals[cur] > 0, vals[cur], vals[cur] * vals[cur])), s, f"torch.where({a} > 0, {a}, {a} * {a})"
+        if name == "const":
+            c = const(p["seed"], s)
+            sym = {"mul": "*", "add": "+"}[p["kind"]]
+            fn = (lambda vals: vals[cur] * c) if p["kind"] == "mul" else (lambda vals: vals[cur] + c)
+            return fn, s, f"{a} {sym} C{list(s)}"
+        if name == "binary":
+            u, un = operand(p["j"])
+            sym = {"mul": "*", "add": "+", "sub": "-"}[p["kind"]]
+            ops = {"mul": torch.mul, "add": torch.add, "sub": torch.sub}
+            return (lambda vals: ops[p["kind"]](vals[cur], u(vals))), s, f"{a} {sym} {un}"
+        if name in ("sum", "mean"):
+            dim = p["dim"]
+            if dim is None:
+                return (lambda vals: getattr(vals[cur], name)()), (), f"{a}.{name}()"
+            out = s[: dim % nd] + s[dim % nd + 1 :]
+            return (lambda vals: getattr(vals[cur], name)(dim)), out, f"{a}.{name}({dim})"
+        if name in ("logsumexp", "amax"):
+            dim = p["dim"]
+            out = s[: dim % nd] + s[dim % nd + 1 :]
+            return (lambda vals: getattr(torch, name)(vals[cur], dim)), out, f"torch.{name}({a}, {dim})"
+        if name == "reshape":
+            shape = tuple(p["shape"])
+            return (lambda vals: vals[cur].reshape(shape)), shape, f"{a}.reshape({shape})"
+        if name == "transpose":
+            d0, d1 = p["dims"]
+            out = list(s)
+            out[d0], out[d1] = out[d1], out[d0]
+            return (lambda vals: vals[cur].transpose(d0, d1)), tuple(out), f"{a}.transpose({d0}, {d1})"
+        if name == "slice":
+            return (lambda vals: vals[cur][1:]), (s[0] - 1,) + s[1:], f"{a}[1:]"
+        if name == "select":
+            i = p["i"]
+            return (lambda vals: vals[cur][i]), s[1:], f"{a}[{i}]"
+        if name in ("index_select", "gather"):
+            dim, k = p["dim"], p["k"]
+            shape = (k,) if name == "index_select" else s[: dim % nd] + (k,) + s[dim % nd + 1 :]
+            g = torch.Generator().manual_seed(p["seed"])
+            idx = torch.randint(0, s[dim], shape, generator=g)
+            out = s[: dim % nd] + (k,) + s[dim % nd + 1 :]
+            fn = getattr(torch, name)
+            return (lambda vals: fn(vals[cur], dim, idx)), out, f"torch.{name}({a}, {dim}, {idx.tolist()})"
+        if name == "expand":
+            return (lambda vals: vals[cur].unsqueeze(0).expand(2, *s)), (2,) + s, f"{a}.unsqueeze(0).expand(2, *{a}.shape)"
+        if name == "matmul":
+            m = const(p["seed"], (s[-1], p["k"]))
+            return (lambda vals: vals[cur] @ m), s[:-1] + (p["k"],), f"{a} @ M{[s[-1], p['k']]}"
+        if name == "softmax":
+            return (lambda vals: vals[cur].softmax(-1)), s, f"{a}.softmax(-1)"
+        if name == "conv1d":
+            c, ks, pad = p["c"], p["ks"], p["pad"]
+            kernel = const(p["seed"], (c, 1, ks))
+            length = n + 2 * pad - ks + 1
+            out = (length,) if c == 1 else (c, length)
+            return (
+                lambda vals: F.conv1d(vals[cur].reshape(1, 1, n), kernel, padding=pad).reshape(out),
+                out,
+                f"F.conv1d({a}.reshape(1, 1, {n}), K{[c, 1, ks]}, padding={pad}).reshape({out})",
+            )
+        # in-place writes into an intermediate (a clone)
+        if name == "clone_mul_":
+            c = const(p["seed"], s)
+
+            def fn(vals):
+                w = vals[cur].clone()
+                w.mul_(c)
+                return w
+
+            return fn, s, f"w = {a}.clone(); w.mul_(C{list(s)}); {{out}} = w"
+        if name == "clone_setitem":
+
+            def fn(vals):
+                w = vals[cur].clone()
+                w[0] = w[0] * 2
+                return w
+
+            return fn, s, f"w = {a}.clone(); w[0] = w[0] * 2; {{out}} = w"
+        if name == "clone_add_":
+            u, un = operand(p["j"])
+
+            def fn(vals):
+                w = vals[cur].clone()
+                w.add_(u(vals))
+                return w
+
+            return fn, s, f"w = {a}.clone(); w.add_({un}); {{out}} = w"
+        if name == "clone_sin_":
+
+            def fn(vals):
+                w = vals[cur].clone()
+                w.sin_()
+                return w
+
+            return fn, s, f"w = {a}.clone(); w.sin_(); {{out}} = w"
+        # in-place writes into a fresh buffer made inside the function
+        if name in ("buf_copy", "buf_add", "buf_mul"):
+            like = p["like"]
+            fill = 0.0 if name == "buf_copy" else 1.0
+            method = name[4:] + "_"
+
+            def fn(vals):
+                v = vals[cur]
+                buf = torch.full_like(v, fill) if like else torch.full(s, fill, dtype=D)
+                getattr(buf, method)(v)
+                return buf
+
+            made = f"torch.full_like({a}, {fill})" if like else f"torch.full({s}, {fill}, dtype=D)"
+            return fn, s, f"buf = {made}; buf.{method}({a}); {{out}} = buf"
+        if name == "buf_setitem":
+
+            def fn(vals):
+                v = vals[cur]
+                buf = torch.zeros(3, dtype=D)
+                buf[0] = v.sum()
+                buf[2] = v.reshape(-1)[0]
+                return buf
+
+            return fn, (3,), f"buf = torch.zeros(3, dtype=D); buf[0] = {a}.sum(); buf[2] = {a}.reshape(-1)[0]; {{out}} = buf"
+        if name == "buf_slice":
+
+            def fn(vals):
+                v = vals[cur]
+                buf = torch.zeros(n + 1, dtype=D)
+                buf[1:] = v.reshape(-1)
+                return buf
+
+            return fn, (n + 1,), f"buf = torch.zeros({n + 1}, dtype=D); buf[1:] = {a}.reshape(-1); {{out}} = buf"
+        if name == "detach_mul":
+            return (lambda vals: vals[cur] * vals[cur].detach()), s, f"{a} * {a}.detach()"
+        if name == "detach_add":
+            return (lambda vals: vals[cur] + vals[cur].detach().pow(2)), s, f"{a} + {a}.detach().pow(2)"
+        raise ValueError(f"unknown op {name!r}")
+
+
+FAMILIES = {
+    "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where"],
+    "reduction": ["sum", "mean", "logsumexp", "amax"],
+    "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
+    "nn": ["matmul", "softmax", "conv1d"],
+    "inplace": ["clone_mul_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
+    "detach": ["detach_mul", "detach_add"],
+}
+EFFECTFUL = FAMILIES["inplace"] + FAMILIES["detach"]
+
+
+def _applicable(name, s):
+    nd, n = len(s), numel(s)
+    if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem"):
+        return nd >= 1
+    if name == "transpose":
+        return nd >= 2
+    if name == "slice":
+        return nd >= 1 and s[0] >= 2
+    if name == "expand":
+        return nd <= 2 and 2 * n <= MAX_NUMEL
+    if name == "buf_slice":
+        return n + 1 <= MAX_NUMEL
+    if name == "reshape":
+        return bool(_reshape_targets(s))
+    return True
+
+
+def _reshape_targets(s):
+    n, out = numel(s), []
+    if len(s) != 1:
+        out.append((n,))
+    if len(s) == 1 and n >= 4 and n % 2 == 0:
+        out.append((2, n // 2))
+    if len(s) == 2 and s[0] != s[1]:
+        out.append((s[1], s[0]))
+    return out
+
+
+@st.composite
+def draw_op(draw, names, shapes, cur):
+    s = tuple(shapes[cur])
+    name = draw(st.sampled_from(names))  # names: the applicable ones
+    nd = len(s)
+    dims = list(range(-nd, nd))
+    p = {}
+    if name == "pow":
+        p["p"] = draw(st.sampled_from([2, 3]))
+    elif name in ("const", "clone_mul_"):
+        if name == "const":
+            p["kind"] = draw(st.sampled_from(["mul", "add"]))
+        p["seed"] = draw(st.integers(0, 9))
+    elif name in ("binary", "clone_add_"):
+        if name == "binary":
+            p["kind"] = draw(st.sampled_from(["mul", "add", "sub"]))
+        p["j"] = draw(st.integers(0, len(shapes) - 1))
+    elif name in ("sum", "mean"):
+        p["dim"] = draw(st.sampled_from([None] + dims))
+    elif name in ("logsumexp", "amax"):
+        p["dim"] = draw(st.sampled_from(dims))
+    elif name == "reshape":
+        p["shape"] = draw(st.sampled_from(_reshape_targets(s)))
+    elif name == "transpose":
+        p["dims"] = draw(st.sampled_from([(0, 1), (-1, -2), (0, -1)]))
+    elif name == "select":
+        p["i"] = draw(st.sampled_from([0, -1]))
+    elif name in ("index_select", "gather"):
+        p["dim"] = draw(st.sampled_from(dims))
+        p["k"] = draw(st.integers(1, 3))
+        p["seed"] = draw(st.integers(0, 9))
+    elif name == "matmul":
+        p["k"] = draw(st.sampled_from([2, 3]))
+        p["seed"] = draw(st.integers(0, 9))
+    elif name == "conv1d":
+        p["c"] = draw(st.sampled_from([1, 2]))
+        p["pad"] = draw(st.sampled_from([0, 1]))
+        p["ks"] = draw(st.integers(1, min(3, numel(s) + 2 * p["pad"])))
+        p["seed"] = draw(st.integers(0, 9))
+    elif name in ("buf_copy", "buf_add", "buf_mul"):
+        p["like"] = draw(st.booleans())
+    return Op(name, **p)
+
+
+class Program:
+    """`ops` applied in order; the function returns the last value. Values are named x0, x1
+    (inputs) and v1, v2, ... (results); each op reads the previous result (x0 first)."""
+
+    def __init__(self, inputs, ops):
+        self.inputs = [tuple(s) for s in inputs]
+        self.ops = list(ops)
+        n_in = len(self.inputs)
+        self.names = [f"x{i}" for i in range(n_in)]
+        self.shapes = list(self.inputs)
+        self.fns, self.sources = [], []
+        cur = 0
+        for k, op in enumerate(self.ops):
+            fn, shape, src = op.build(self.shapes, cur, self.names)
+            name = f"v{k + 1}"
+            self.names.append(name)
+            self.shapes.append(tuple(shape))
+            self.fns.append(fn)
+            self.sources.append(src.replace("{out}", name) if "{out}" in src else f"{name} = {src}")
+            cur = len(self.shapes) - 1
+        self.out_shape = self.shapes[-1]
+
+    def __call__(self, *xs):
+        vals = list(xs)
+        for fn in self.fns:
+            vals.append(fn(vals))
+        return vals[-1]
+
+    def __repr__(self):
+        lines = [f"Program({self.inputs!r}, ["]
+        for op, src in zip(self.ops, self.sources):
+            lines.append(f"    {op!r},  # {src}")
+        lines.append("])")
+        return "\n".join(lines)
+
+
+@st.composite
+def programs(draw, families, must=None):
+    """`must`: op names of which at least one op is drawn (at a random position)."""
+    n_in = draw(st.integers(1, 2))
+    inputs = [draw(st.sampled_from(INPUT_SHAPES)) for _ in range(n_in)]
+    n_ops = draw(st.integers(2, 6))
+    forced = draw(st.integers(0, n_ops - 1)) if must else -1
+    names = [n for f in families for n in FAMILIES[f]]
+    ops, shapes, cur = [], list(inputs), 0
+    for k in range(n_ops):
+        candidates = [n for n in (must if k == forced else names) if _applicable(n, shapes[cur])] or ["sin"]
+        for _ in range(10):  # keep every value small
+            op = draw(draw_op(candidates, shapes, cur))
+            _, shape, _ = op.build(shapes, cur, [f"n{i}" for i in range(len(shapes))])
+            if numel(shape) <= MAX_NUMEL and len(shape) <= MAX_NDIM:
+                break
+        else:
+            op, shape = Op("sin"), shapes[cur]
+        ops.append(op)
+        shapes.append(tuple(shape))
+        cur = len(shapes) - 1
+    uses_x1 = any(o.params.get("j") == 1 for o in ops)
+    if n_in == 2 and not uses_x1:  # a second input the program ignores is not worth drawing
+        ops.append(Op("binary", kind="add", j=1))
+    return Program(inputs, ops)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms
+# ---------------------------------------------------------------------------------------------
+
+BATCH_SCALE, BATCH_SHIFT = (1.0, 0.5, -1.3), (0.0, 0.25, 0.1)  # vmap's k-th copy: a x + b
+
+
+def _combine(result):
+    """A tuple of tensors (several argnums) -> one flat tensor; a tensor stays as it is."""
+    if isinstance(result, torch.Tensor):
+        return result
+    return torch.cat([t.reshape(-1) for t in tree_leaves(result)])
+
+
+def _mixed(ys, xs, mix):
+    """`mix`: the transformed function closes over the transform's own inputs `xs`."""
+    if not mix:
+        return ys
+    return [y * (1 + 0.5 * torch.sin(x)) for y, x in zip(ys, xs)]
+
+
+def _argnum_list(argnums, n):
+    return [a % n for a in ((argnums,) if isinstance(argnums, int) else argnums)]
+
+
+class T:
+    """One transform of a stack (stacks are lists, outermost first)."""
+
+    def __init__(self, kind, **params):
+        self.kind, self.params = kind, params
+
+    def __repr__(self):
+        rest = _kwargs_repr(self.params)
+        return f"T({self.kind!r}{', ' if rest else ''}{rest})"
+
+    def out_shape(self, in_shapes, out):
+        """Shape of the transformed function's output (before the squash)."""
+        k, p = self.kind, self.params
+        if k == "vmap":
+            o = p["out_dims"] % (len(out) + 1)
+            return out[:o] + (p["size"],) + out[o:]
+        if k == "jvp":
+            return (2,) + out
+        if k == "vjp":
+            return in_shapes[0] if len(in_shapes) == 1 else (sum(numel(s) for s in in_shapes),)
+        argnums = p["argnums"]
+        sel = _argnum_list(argnums, len(in_shapes))
+        if k == "grad":
+            return in_shapes[sel[0]] if isinstance(argnums, int) else (sum(numel(in_shapes[a]) for a in sel),)
+        if k in ("jacrev", "jacfwd"):
+            if isinstance(argnums, int):
+                return out + in_shapes[sel[0]]
+            return (sum(numel(out) * numel(in_shapes[a]) for a in sel),)
+        if k == "hessian":
+            if isinstance(argnums, int):
+                return in_shapes[sel[0]] * 2
+            return (sum(numel(in_shapes[a]) * numel(in_shapes[b]) for a in sel for b in sel),)
+        raise ValueError(k)
+
+    def build(self, f, lib, in_shapes, out):
+        """f: function of len(in_shapes) tensors -> tensor of shape `out`. -> (g, g's out shape)."""
+        k, p = self.kind, self.params
+        mix, seed = p.get("mix", False), p.get("seed", 0)
+        shape = self.out_shape(in_shapes, out)
+        if k == "vmap":
+            in_dims, out_dims, size = p["in_dims"], p["out_dims"], p["size"]
+
+            def g(*xs):
+                args = [
+                    x if d is None else torch.stack([x * BATCH_SCALE[i] + BATCH_SHIFT[i] for i in range(size)], dim=d)
+                    for x, d in zip(xs, in_dims)
+                ]
+                return lib.vmap(lambda *ys: f(*_mixed(ys, xs, mix)), in_dims=in_dims, out_dims=out_dims)(*args)
+
+        elif k in ("grad", "hessian"):
+            weight = const(seed, out)
+            transform = getattr(lib, k)
+
+            def g(*xs):
+                scalar = lambda *ys: (f(*_mixed(ys, xs, mix)) * weight).sum()  # noqa: E731
+                return _combine(transform(scalar, argnums=p["argnums"])(*xs))
+
+        elif k in ("jacrev", "jacfwd"):
+            transform = getattr(lib, k)
+
+            def g(*xs):
+                return _combine(transform(lambda *ys: f(*_mixed(ys, xs, mix)), argnums=p["argnums"])(*xs))
+
+        elif k == "vjp":
+            cotangent = const(seed, out)
+
+            def g(*xs):
+                _, vjp_fn = lib.vjp(lambda *ys: f(*_mixed(ys, xs, mix)), *xs)
+                grads = vjp_fn(cotangent)
+                return grads[0] if len(xs) == 1 else _combine(grads)
+
+        elif k == "jvp":
+            tangents = tuple(const(seed + i, s) for i, s in enumerate(in_shapes))
+
+            def g(*xs):
+                primal, tangent = lib.jvp(lambda *ys: f(*_mixed(ys, xs, mix)), tuple(xs), tangents)
+                return torch.stack([primal, tangent])
+
+        else:
+            raise ValueError(k)
+        if numel(shape) <= SQUASH_ABOVE:
+            return g, shape
+        projection = const(10_000 + numel(shape), (numel(shape), SQUASH_TO)) / math.sqrt(numel(shape))
+        return (lambda *xs: g(*xs).reshape(-1) @ projection), (SQUASH_TO,)
+
+
+ARGNUMS_1 = [0, (0,)]
+ARGNUMS_2 = [0, 1, -1, (0, 1), (1, 0), (1,)]
+
+
+@st.composite
+def draw_transform(draw, kind, in_shapes, out):
+    p = {}
+    if kind == "vmap":
+        dims = []
+        for s in in_shapes:
+            d = draw(st.one_of(st.none(), st.integers(-(len(s) + 1), len(s))))
+            dims.append(d)
+        if all(d is None for d in dims):
+            k = draw(st.integers(0, len(dims) - 1))
+            dims[k] = 0
+        p["in_dims"] = tuple(dims)
+        p["out_dims"] = draw(st.integers(-(len(out) + 1), len(out)))
+        p["size"] = draw(st.integers(1, 3))
+    elif kind in ("grad", "jacrev", "jacfwd", "hessian"):
+        p["argnums"] = draw(st.sampled_from(ARGNUMS_1 if len(in_shapes) == 1 else ARGNUMS_2))
+    if kind in ("grad", "hessian", "vjp", "jvp"):
+        p["seed"] = draw(st.integers(0, 9))
+    if draw(st.integers(0, 3)) == 3:  # shrinks towards no closure
+        p["mix"] = True
+    return T(kind, **p)
+
+
+@st.composite
+def stacks(draw, program, kinds, must=None, depth=(1, 3)):
+    """Drawn innermost first (each transform needs the shape of what it transforms)."""
+    n = draw(st.integers(*depth))
+    forced = draw(st.integers(0, n - 1)) if must else -1
+    out, stack = program.out_shape, []
+    for k in range(n):
+        kind = draw(st.sampled_from(must if k == forced else kinds))
+        t = draw(draw_transform(kind, program.inputs, out))
+        shape = t.out_shape(program.inputs, out)
+        out = shape if numel(shape) <= SQUASH_ABOVE else (SQUASH_TO,)
+        stack.insert(0, t)
+    return stack
+
+
+class Case:
+    def __init__(self, program, stack, seed=0):
+        self.program, self.stack, self.seed = program, list(stack), seed
+
+    def __repr__(self):
+        program = repr(self.program).replace("\n", "\n    ")
+        stack = ",\n".join(f"        {t!r}" for t in self.stack)
+        return f"Case(\n    {program},\n    [  # outermost first\n{stack},\n    ],\n    seed={self.seed},\n)"
+
+    def inputs(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return [torch.randn(s, dtype=D, generator=g) for s in self.program.inputs]
+
+    def build(self, lib):
+        f, out = self.program, self.program.out_shape
+        for t in reversed(self.stack):
+            f, out = t.build(f, lib, self.program.inputs, out)
+        return f
+
+    def run(self, lib):
+        return self.build(lib)(*self.inputs())
+
+    def batch_size_at_least(self, size):
+        """The same case with every vmap of at least `size` elements. torch.func lets some
+        in-place writes of a batched value into an unbatched tensor through when the batch has
+        one element (the shapes broadcast); functx raises whatever the size."""
+        stack = [T(t.kind, **{**t.params, "size": max(size, t.params["size"])}) if t.kind == "vmap" else t for t in self.stack]
+        return Case(self.program, stack, self.seed)
+
+
+@st.composite
+def cases(draw, families, kinds, must_op=None, must_transform=None, depth=(1, 3)):
+    program = draw(programs(families, must_op))
+    stack = draw(stacks(program, kinds, must_transform, depth))
+    return Case(program, stack, draw(st.integers(0, 2**16)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference transforms: plain torch autograd, float64
+# ---------------------------------------------------------------------------------------------
+
+
+def _fresh(x):
+    """A node of its own for this level to differentiate: connected to the outer levels'
+    graph when x depends on their inputs, a new leaf otherwise. d/d(fresh) counts only the
+    paths through this level's use of x, not the outer levels' other uses of x."""
+    return x.clone() if x.requires_grad else x.detach().requires_grad_()
+
+
+def _grads(out, wrt, cotangent=None):
+    """vjp of `out` (tensor or tuple) w.r.t. `wrt` with create_graph; zeros where unused."""
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    cots = None if cotangent is None else ([cotangent] if isinstance(cotangent, torch.Tensor) else list(cotangent))
+    if cots is None:
+        cots = [torch.ones_like(o) for o in outs]
+    pairs = [(o, c) for o, c in zip(outs, cots) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(w) for w in wrt)
+    got = torch.autograd.grad(
+        [o for o, _ in pairs], list(wrt), [c for _, c in pairs], retain_graph=True, create_graph=True, allow_unused=True
+    )
+    return tuple(torch.zeros_like(w) if gw is None else gw for w, gw in zip(wrt, got))
+
+
+def _prepare(args, argnums):
+    sel = _argnum_list(argnums, len(args))
+    args = list(args)
+    for a in sel:
+        args[a] = _fresh(args[a])
+    return args, sel
+
+
+def _shape_like(per_output, out_is_tensor, argnums):
+    """per_output[o][a]: Jacobian of output o w.r.t. argnum a -> torch.func's structure."""
+    per_output = [ja[0] if isinstance(argnums, int) else tuple(ja) for ja in per_output]
+    return per_output[0] if out_is_tensor else tuple(per_output)
+
+
+class Ref:
+    @staticmethod
+    def vmap(f, in_dims, out_dims):
+        def run(*args):
+            size = next(a.size(d) for a, d in zip(args, in_dims) if d is not None)
+            outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims))) for i in range(size)]
+            return torch.stack(outs, dim=out_dims)
+
+        return run
+
+    @staticmethod
+    def grad(f, argnums=0):
+        def run(*xs):
+            args, sel = _prepare(xs, argnums)
+            gs = _grads(f(*args), [args[a] for a in sel])
+            return gs[0] if isinstance(argnums, int) else gs
+
+        return run
+
+    @staticmethod
+    def vjp(f, *primals):
+        args = [_fresh(x) for x in primals]
+        out = f(*args)
+        return out, lambda cotangent: _grads(out, args, cotangent)
+
+    @staticmethod
+    def jvp(f, primals, tangents):
+        args = [_fresh(x) for x in primals]
+        out = f(*args)
+        u = torch.zeros_like(out, requires_grad=True)
+        transposed = _grads(out, args, u)  # J^T u, linear in u
+        inner = sum((g * t).sum() for g, t in zip(transposed, tangents))
+        return out, _grads(inner, [u])[0]  # d/du <J^T u, t> = J t
+
+    @staticmethod
+    def jacrev(f, argnums=0):
+        def run(*xs):
+            args, sel = _prepare(xs, argnums)
+            out = f(*args)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            per_output = []
+            for o in outs:
+                flat = o.reshape(-1)
+                rows = [_grads(flat[i], [args[a] for a in sel]) for i in range(flat.numel())]
+                per_output.append(
+                    [torch.stack([r[k] for r in rows]).reshape(o.shape + args[a].shape) for k, a in enumerate(sel)]
+                )
+            return _shape_like(per_output, isinstance(out, torch.Tensor), argnums)
+
+        return run
+
+    @staticmethod
+    def jacfwd(f, argnums=0):
+        def run(*xs):
+            args, sel = _prepare(xs, argnums)
+            out = f(*args)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            us = [torch.zeros_like(o, requires_grad=True) for o in outs]
+            transposed = _grads(outs, [args[a] for a in sel], us)  # sum_o J_o^T u_o
+            per_output = [[None] * len(sel) for _ in outs]
+            for k, a in enumerate(sel):
+                flat = transposed[k].reshape(-1)
+                columns = [_grads(flat[j], us) for j in range(flat.numel())]  # J_o e_j, per o
+                for o, out_o in enumerate(outs):
+                    per_output[o][k] = torch.stack([c[o] for c in columns], dim=-1).reshape(out_o.shape + args[a].shape)
+            return _shape_like(per_output, isinstance(out, torch.Tensor), argnums)
+
+        return run
+
+    @staticmethod
+    def hessian(f, argnums=0):
+        return Ref.jacfwd(Ref.jacrev(f, argnums), argnums)
+
+
+class FiniteDifferences:
+    """Central differences, for depth-1 checks of `Ref` (hessian: differences of Ref.jacrev)."""
+
+    eps = 1e-6
+
+    @staticmethod
+    def _jac(f, argnums):
+        def run(*xs):
+            xs = [x.detach() for x in xs]
+            out = f(*xs)
+            per_output = [[] for _ in tree_leaves(out)]
+            for a in _argnum_list(argnums, len(xs)):
+                columns = []
+                for j in range(xs[a].numel()):
+                    e = torch.zeros(xs[a].numel(), dtype=D)
+                    e[j] = FiniteDifferences.eps
+                    plus, minus = list(xs), list(xs)
+                    plus[a], minus[a] = xs[a] + e.reshape(xs[a].shape), xs[a] - e.reshape(xs[a].shape)
+                    diff = [(p - m) / (2 * FiniteDifferences.eps) for p, m in zip(tree_leaves(f(*plus)), tree_leaves(f(*minus)))]
+                    columns.append(diff)
+                for o, leaf in enumerate(tree_leaves(out)):
+                    per_output[o].append(torch.stack([c[o] for c in columns], dim=-1).reshape(leaf.shape + xs[a].shape))
+            return _shape_like(per_output, isinstance(out, torch.Tensor), argnums)
+
+        return run
+
+    jacrev = jacfwd = grad = _jac
+
+    @staticmethod
+    def vjp(f, *primals):
+        out = f(*primals)
+        jac = FiniteDifferences._jac(f, tuple(range(len(primals))))(*primals)
+        return out, lambda c: tuple(torch.tensordot(c, j, dims=c.dim()) for j in jac)
+
+    @staticmethod
+    def jvp(f, primals, tangents):
+        eps = FiniteDifferences.eps
+        plus = f(*(p + eps * t for p, t in zip(primals, tangents)))
+        minus = f(*(p - eps * t for p, t in zip(primals, tangents)))
+        return f(*primals), (plus - minus) / (2 * eps)
+
+    @staticmethod
+    def hessian(f, argnums=0):
+        return FiniteDifferences._jac(Ref.jacrev(f, argnums), argnums)
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------
+
+ALLOWED_ERRORS = [
+    # vmap cannot write a batched value in place into a tensor that is not batched (a fresh
+    # `torch.zeros(n)` buffer, or a clone of a value from an unbatched argument): each batch
+    # element would need its own copy. torch.func raises too ("vmap: inplace arithmetic(self,
+    # *extra_args) is not possible ...", or a broadcast-shape error), checked with batches of
+    # at least 2 elements (see `Case.batch_size_at_least`).
+    re.compile(r"vmap: \S+ writes in place into a tensor that is not batched"),
+]
+
+
+def _raises(fn):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn()
+    except Exception:
+        return True
+    return False
+
+
+def check(case, lib=functx, rtol=RTOL, atol=ATOL):
+    """functx (`lib`) on `case` against `Ref`: equal, or an allowed error torch.func raises too."""
+    fuzzing = currently_in_test_context()
+    expected = case.run(Ref).detach()
+    tame = bool(torch.isfinite(expected).all() and expected.abs().max() < 1e4)  # exp/pow chains can blow up
+    if fuzzing:
+        assume(tame)
+    else:
+        assert tame, "a regression case must have a tame reference"
+    try:
+        actual = case.run(lib)
+    except Exception as error:
+        assert current_stack() == (), f"functx left its interpreter stack dirty after raising {error!r}"
+        if any(p.search(str(error)) for p in ALLOWED_ERRORS) and _raises(lambda: case.batch_size_at_least(2).run(torch.func)):
+            if fuzzing:
+                event("allowed functx error")
+            return
+        raise AssertionError(f"functx raised where the reference runs: {type(error).__name__}: {error}") from error
+    assert current_stack() == (), "functx left its interpreter stack dirty"
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as mismatch:
+        raise AssertionError(f"{mismatch}\nfunctx:    {actual}\nreference: {expected}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The fuzz tests
+# ---------------------------------------------------------------------------------------------
+
+REVERSE = ["vmap", "grad", "vjp", "jacrev"]
+ALL = REVERSE + ["jvp", "jacfwd", "hessian"]
+PURE_FAMILIES = ["pointwise", "reduction", "view", "nn"]
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES, REVERSE))
+def test_fuzz_vmap_and_reverse(case):
+    """Stacks of vmap, grad, vjp, jacrev over programs without in-place ops or detach."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES, ALL, must_transform=["jvp", "jacfwd", "hessian"]))
+def test_fuzz_with_forward_transforms(case):
+    """Stacks with at least one of jvp, jacfwd, hessian; programs without in-place or detach."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES + ["inplace", "detach"], ALL, must_op=EFFECTFUL))
+def test_fuzz_inplace_and_detach(case):
+    """Programs with at least one in-place write (into a clone or a fresh buffer) or detach."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES + ["inplace"], ["grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian"], depth=(1, 1)))
+def test_reference_matches_finite_differences(case):
+    """The reference itself, at depth 1, against central differences (float64, eps 1e-6).
+    Tolerance 1e-5: the differences' truncation and rounding errors (~1e-10 |f| / eps).
+    No detach here: differences see through it."""
+    expected = case.run(FiniteDifferences).detach()
+    assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)
+    torch.testing.assert_close(case.run(Ref).detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regression tests: shrunk counterexamples found by the fuzzer
+# ---------------------------------------------------------------------------------------------
+# Each was the fuzzer's shrunk output (inputs: `Case.inputs()`, seed 0); the docstring says
+# what functx did at 247249c (before the AD-level rewrite) and, where it differs, at f683bff.
+
+
+def test_regression_jvp_of_jvp_with_closure():
+    """Nested forward mode drops the mixed partial: the inner jvp's function closes over the
+    outer jvp's input. The second-order tangent differs (e.g. -4.7104 vs -4.6396)."""
+    program = Program([(3,)], [Op("sin"), Op("sin")])
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0, mix=True)]))
+
+
+def test_regression_jvp_of_jacfwd():
+    """jvp(jacfwd(f, argnums=1)) of f(x0, x1) = sin(sin(x0)) + x1: the Jacobian w.r.t. x1 is
+    the identity, its tangent 0; functx's values differ in every element."""
+    program = Program([(3,), (3,)], [Op("sin"), Op("sin"), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("jvp", seed=0), T("jacfwd", argnums=1)]))
+
+
+def test_regression_jvp_of_jacfwd_has_same_storage_numel():
+    """Forward over forward raised NotImplementedError: the per-sample fallback for
+    aten::_has_same_storage_numel got a bool result."""
+    program = Program([(3,)], [Op("sin"), Op("sin")])
+    check(Case(program, [T("jvp", seed=0), T("jacfwd", argnums=0)]))
+
+
+def test_regression_jvp_of_jacrev_with_closure():
+    """Forward over reverse with a closure raised NotImplementedError: "You must implement
+    the jvp function for custom autograd.Function" (a functx-internal Function; the same
+    error came out of the TorchScript decomposition of softmax's backward in jvp(hessian))."""
+    program = Program([(3,)], [Op("sin"), Op("sin")])
+    check(Case(program, [T("jvp", seed=0), T("jacrev", argnums=0, mix=True)]))
+
+
+def test_regression_grad_of_vmap_of_jvp_softmax():
+    """grad(vmap(jvp(f))) with a softmax raised "one of the variables needed for gradient
+    computation has been modified by an inplace operation" (output 0 of Exp)."""
+    program = Program([(2, 3), (3,)], [Op("sin"), Op("softmax"), Op("binary", kind="add", j=1)])
+    stack = [T("grad", argnums=0, seed=0), T("vmap", in_dims=(0, None), out_dims=0, size=1), T("jvp", seed=0)]
+    check(Case(program, stack))
+
+
+def test_regression_vjp_of_jvp_softmax():
+    """The same error without vmap, vjp(jvp(f)) of softmax(sin(x)), at f683bff (right at
+    247249c)."""
+    program = Program([(3,)], [Op("sin"), Op("softmax")])
+    check(Case(program, [T("vjp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_vmap_of_jvp_of_jvp_expand():
+    """vmap(in_dims=(1, None)) over jvp(jvp(f)) of a pure f with an expand raised
+    "!this_view_meta->has_fw_view() INTERNAL ASSERT FAILED"."""
+    program = Program([(2, 3), (3,)], [Op("sin"), Op("expand"), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("vmap", in_dims=(1, None), out_dims=0, size=2), T("jvp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_grad_of_grad_of_jvp_sin_on_clone():
+    """`w = x.clone(); w.sin_()` under grad(grad(jvp)): wrong values at 247249c; at f683bff
+    "functx.grad: aten::copy_ writes in place into a tensor that was not made inside the
+    transformed function (a captured tensor)"."""
+    program = Program([(3,)], [Op("clone_sin_"), Op("sin")])
+    check(Case(program, [T("grad", argnums=0, seed=0), T("grad", argnums=0, seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_jacfwd_of_vmap_in_dims_1():
+    """jacfwd over vmap(in_dims=(1, None)) of a pure function raised "vmap: aten::copy_ writes
+    in place into a tensor that is not batched at this vmap level (shape (3, 3))": an in-place
+    write of functx's own (the program has none); torch.func runs it."""
+    program = Program([(3,), (3,)], [Op("sin"), Op("sin"), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("vmap", in_dims=(1, None), out_dims=0, size=2), T("jacfwd", argnums=0)]))
+
+
+def test_regression_jacrev_of_vmap_setitem_on_clone():
+    """An in-place write into a clone, under jacrev(vmap(in_dims=1)): wrong values in every
+    element (vmap alone and jacrev alone are right)."""
+    program = Program([(3,), (3,)], [Op("clone_setitem"), Op("sin"), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("jacrev", argnums=0), T("vmap", in_dims=(1, None), out_dims=0, size=2)]))
+
+
+def test_regression_jvp_setitem_into_fresh_buffer():
+    """`buf = torch.zeros(3); buf[0] = x.sum()` under a single jvp raised "!this_view_meta->
+    has_fw_view() INTERNAL ASSERT FAILED"."""
+    program = Program([(3,)], [Op("buf_setitem"), Op("sin")])
+    check(Case(program, [T("jvp", seed=0)]))
+
+
+def test_regression_vjp_of_jvp_setitem_into_fresh_buffer():
+    """The same write under vjp(jvp): the INTERNAL ASSERT at 247249c; wrong values at f683bff
+    (where a single jvp of it is right)."""
+    program = Program([(3,)], [Op("sin"), Op("buf_setitem")])
+    check(Case(program, [T("vjp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_hessian_setitem_into_fresh_buffer():
+    """`buf = torch.zeros(3); buf[0] = x.sum()` under hessian (reverse over reverse) raised
+    "fn_edge.is_valid() == this_edge.is_valid() INTERNAL ASSERT FAILED"; vjp(vjp) too."""
+    program = Program([(3,)], [Op("buf_setitem"), Op("sin")])
+    check(Case(program, [T("hessian", argnums=0, seed=0)]))
+
+
+def test_regression_jvp_of_jvp_slice_write_into_fresh_buffer():
+    """`buf[1:] = v.reshape(-1)` into a fresh buffer under jvp(jvp) raised "Setting a forward
+    grad that itself has a forward gradient at the same level0 is not supported"; wrong
+    values at f683bff."""
+    program = Program([(2, 3)], [Op("clone_setitem"), Op("sin"), Op("buf_slice")])
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_hessian_through_copy_into_fresh_buffer():
+    """Second derivatives through `torch.zeros(3).copy_(x)` were 0 (reference: diag(-sin x))."""
+    program = Program([(3,)], [Op("buf_copy", like=False), Op("sin")])
+    check(Case(program, [T("hessian", argnums=0, seed=0)]))
+
+
+def test_regression_hessian_through_add_into_clone_of_other_input():
+    """`w = x0.clone(); w.add_(x1)`, hessian w.r.t. x1: w does not depend on x1 before the
+    write (as a fresh buffer); the second derivatives were 0 (reference: diag(-sin(x0 + x1)))."""
+    program = Program([(3,), (3,)], [Op("clone_add_", j=1), Op("sin")])
+    check(Case(program, [T("hessian", argnums=1, seed=0)]))
+
+
+def test_regression_jvp_of_jvp_through_copy_into_fresh_buffer():
+    """The forward flavour of the previous one: the second-order tangent was 0."""
+    program = Program([(3,)], [Op("buf_copy", like=False), Op("sin")])
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_vjp_of_jvp_of_jvp_through_copy_into_fresh_buffer():
+    """Third order through `torch.zeros(3).copy_(sin(x))`: "Setting a forward grad that
+    itself has a forward gradient" at 247249c, wrong values at f683bff."""
+    program = Program([(3,)], [Op("sin"), Op("buf_copy", like=False)])
+    check(Case(program, [T("vjp", seed=0), T("jvp", seed=0), T("jvp", seed=0)]))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="issue 12: vmap(grad) gives unbatched differentiated inputs the batch dim (an expand), "
+    "so copying one into a buffer made inside the function is refused as batched-into-unbatched "
+    "(a clear error, not a wrong value); torch.func runs it",
+)
+def test_regression_vmap_of_grad_unbatched_argnum_copied_into_fresh_buffer():
+    """vmap(grad(f, argnums=0), in_dims=(None, 0)) with `torch.zeros(3).copy_(x0)`: x0 is not
+    batched, so torch.func runs it; functx raised "vmap: aten::copy_ writes in place into a
+    tensor that is not batched" (it expands the differentiated x0 to the batch)."""
+    program = Program([(3,), (3,)], [Op("buf_copy", like=False), Op("sin"), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("vmap", in_dims=(None, 0), out_dims=0, size=1), T("grad", argnums=0, seed=0)]))
+
+
+def test_regression_detach_under_grad_of_vjp():
+    """`x * x.detach()` stops the derivative at every level (torch.func, JAX); functx's
+    second derivative went through the detach at the outer level."""
+    program = Program([(3,)], [Op("detach_mul"), Op("sin")])
+    check(Case(program, [T("grad", argnums=0, seed=0), T("vjp", seed=0)]))
+
+
+def test_regression_detach_under_jvp_of_jvp():
+    """The forward flavour of the previous one."""
+    program = Program([(3,)], [Op("detach_mul"), Op("sin")])
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0)]))
