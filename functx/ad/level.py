@@ -170,6 +170,11 @@ AT_THIS_LEVEL = {
     aten.detach.default: _detach,
     aten._make_dual.default: _alias,
     aten._fw_primal.default: _alias,
+    # torch's `_fw_primal` makes its alias with `aten.alias` (and a user's alias is one too): a
+    # new wrapper of the same value is an alias at this level, and leaves the levels below
+    # alone (an alias there would make the value a view whose in-place writes torch's
+    # CopySlices cannot run backward: an internal assert in hessian(jvp(f)) with `w.sin_()`)
+    aten.alias.default: _alias,
     aten.is_same_size.default: _same_size,
     aten._has_same_storage_numel.default: _same_storage_numel,
     aten.to.dtype_layout: _to_meta,

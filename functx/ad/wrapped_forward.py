@@ -52,7 +52,7 @@ import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, level_of, mutated_argument, replay_inplace_view
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
 from .level import AT_THIS_LEVEL, ADLevel
 from .lifting import FactoryLifting, raise_captured_write
 
@@ -149,6 +149,22 @@ def tangent_of(x: DualTensor):
     return tangent
 
 
+def _levels(x) -> set:
+    """The levels whose tensors `x` is made of (its chain of wrappers)."""
+    levels = set()
+    while isinstance(x, LevelTensor):
+        levels.add(x._interp)
+        x = x._value
+    return levels
+
+
+def _tangent_like(like, primal, old):
+    """Zeros laid out like `primal`, made through `primal`'s levels (so they are a tensor of
+    each of them), holding `old` if there is one."""
+    tangent = _zeros_like_layout(like, primal)
+    return tangent if old is None else tangent.copy_(old)
+
+
 def _view_like(base_tangent, base, view):
     """The part of `base_tangent` that `view` is of `base` (tangents are laid out like their
     primals, so the view's sizes, strides and offset select it)."""
@@ -232,11 +248,11 @@ class WrappedJvpLevel(ADLevel):
         if tangent.is_inference():
             tangent = tangent.clone()
         if tangent.layout == torch.strided and (
-            tangent.stride() != primal.stride() or level_of(tangent) < level_of(primal)
+            tangent.stride() != primal.stride() or not _levels(primal) <= _levels(tangent)
         ):
             # laid out like the primal, and a tensor of the levels the primal lives at: torch's
             # formulas write into tangents in place (`sin_`), with values of those levels
-            tangent = _zeros_like_layout(tangent, primal).copy_(tangent)
+            tangent = _tangent_like(tangent, primal, tangent)
         return DualTensor(primal, tangent, self)
 
     def unpack(self, x):
@@ -293,8 +309,8 @@ class WrappedJvpLevel(ADLevel):
                 f"functx.jvp: {op} writes into an `out=` tensor, which forward-mode AD does not "
                 f"support; use the out-of-place form."
             )
-        if mutated is not None and tangents[mutated] is None:
-            tangents[mutated] = self._new_tangent_for_write(args[mutated], next(t for t in tangents if t is not None))
+        if mutated is not None:
+            tangents[mutated] = self._tangent_for_write(args[mutated], tangents[mutated], tangents)
         carrier = None if not self.nested and _all_plain(primals, kw_primals) else self
         try:
             with _restore_autograd(), _views_tracked(), _forward_ad_on():
@@ -413,17 +429,23 @@ class WrappedJvpLevel(ADLevel):
             return DualTensor(out, out_tangent, self)
         return type(out)(self._wrap_pairs(o, t) for o, t in zip(out, out_tangent))
 
-    def _new_tangent_for_write(self, target: DualTensor, like):
-        """A zero tangent for a tensor without one that an in-place op is about to give one. For a
-        view, the zeros go to its base (the write lands in the base's tangent, as the value
-        lands in the base), and the view's tangent is its part of them."""
+    def _tangent_for_write(self, target: DualTensor, tangent, tangents):
+        """The tangent an in-place op on `target` writes into: its own, if it lives at every
+        level the primal lives at (the op writes values of those levels into it: a tangent
+        batched at fewer vmap levels than its primal, or plain under a grad level, could not
+        take them); otherwise zeros of those levels (plus the old tangent). For a view, that
+        happens to its base (the write lands in the base's tangent, as the value lands in
+        the base), and the view's tangent is its part of the base's."""
+        if tangent is not None and _levels(target._value) <= _levels(tangent):
+            return tangent
+        like = tangent if tangent is not None else next(t for t in tangents if t is not None)
         base = target._base if target._is_view() else None
         with _as_outside():
             if type(base) is DualTensor and base._interp is self:
-                base._tangent = _zeros_like_layout(like, base._value)
+                base._tangent = _tangent_like(like, base._value, tangent_of(base))
                 target._tangent = _view_like(base._tangent, base, target)
             else:
-                target._tangent = _zeros_like_layout(like, target._value)
+                target._tangent = _tangent_like(like, target._value, tangent)
         return target._tangent
 
     def _write_back(self, target: DualTensor, tangent, dual):
