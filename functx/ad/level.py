@@ -38,6 +38,7 @@ import torch
 
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach
+from .lifting import FactoryLifting
 
 _no_context = contextlib.nullcontext()
 aten = torch.ops.aten
@@ -64,6 +65,24 @@ class ADLevel(Interpreter):
     def export(self, tree):
         """Results as they leave the level: this level's tensors replaced by their values."""
         return unwrap_level(tree, self)
+
+
+class WrappedLevel(ADLevel):
+    """An AD level that owns wrapper tensors (wrapped_reverse.py, wrapped_forward.py): while
+    its function runs, the tensors made there are its own (lifting.py)."""
+
+    __slots__ = ("_lifting",)
+
+    def pushed(self):
+        self._lifting = FactoryLifting(self)
+        self._lifting.__enter__()
+
+    def popped(self):
+        self._lifting.__exit__(None, None, None)
+
+    def lift(self, value: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        """A tensor made inside the function: a constant of this level."""
+        raise NotImplementedError
 
 
 def outside_inference_mode():

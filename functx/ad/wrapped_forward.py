@@ -53,8 +53,8 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
-from .level import AT_THIS_LEVEL, ADLevel
-from .lifting import FactoryLifting, raise_captured_write
+from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
+from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _make_dual = torch._make_dual
@@ -219,25 +219,17 @@ def _op_kind(op):
     return kind
 
 
-class WrappedJvpLevel(ADLevel):
+class WrappedJvpLevel(WrappedLevel):
     """One `jvp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ("_lifting", "nested")
+    __slots__ = ("nested",)
 
     def __init__(self):
         super().__init__()
         load_forward_decompositions()
-        self._lifting = None
-        # another AD level below differentiates what this one computes (_DECOMPOSED_WHEN_NESTED)
+        # another AD level below differentiates what this one computes: carriers for every op
+        # (see the module docstring), and _DECOMPOSED_WHEN_NESTED
         self.nested = any(isinstance(level, ADLevel) for level in current_stack())
-
-    # -- the stack ---------------------------------------------------------------------------
-    def pushed(self):
-        self._lifting = FactoryLifting(self)
-        self._lifting.__enter__()
-
-    def popped(self):
-        self._lifting.__exit__(None, None, None)
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
@@ -276,6 +268,9 @@ class WrappedJvpLevel(ADLevel):
 
     # -- one op ------------------------------------------------------------------------------
     def process(self, op, args, kwargs):
+        """One level down: torch duals of the primals and tangents, for this op only (of the
+        values, or of carriers), the op on them with torch's forward AD on, and its results
+        taken apart into this level's DualTensors."""
         here = AT_THIS_LEVEL.get(op)
         if here is not None:
             out = here(self, args, kwargs)

@@ -24,8 +24,8 @@ import torch
 
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
-from .level import AT_THIS_LEVEL, ADLevel, autograd_grad
-from .lifting import FactoryLifting, raise_captured_write
+from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
+from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _view_as_real = torch.ops.aten.view_as_real.default
@@ -73,22 +73,10 @@ class GradTensor(LevelTensor):
     __str__ = __repr__
 
 
-class WrappedGradLevel(ADLevel):
+class WrappedGradLevel(WrappedLevel):
     """One `grad`/`vjp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ("_lifting",)
-
-    def __init__(self):
-        super().__init__()
-        self._lifting = None
-
-    # -- the stack ---------------------------------------------------------------------------
-    def pushed(self):
-        self._lifting = FactoryLifting(self)
-        self._lifting.__enter__()
-
-    def popped(self):
-        self._lifting.__exit__(None, None, None)
+    __slots__ = ()
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def leaf(self, x):
@@ -118,6 +106,9 @@ class WrappedGradLevel(ADLevel):
 
     # -- one op ------------------------------------------------------------------------------
     def process(self, op, args, kwargs):
+        """One level down: the op on this level's wrappers' values, with autograd restored (the
+        levels below record it) and the grad mode of outside the transform; torch's autograd
+        records the op on the wrappers themselves, above."""
         here = AT_THIS_LEVEL.get(op)
         if here is not None:
             out = here(self, args, kwargs)

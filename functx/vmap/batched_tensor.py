@@ -70,6 +70,8 @@ class VmapInterpreter(Interpreter):
         self.direct_ad = None
 
     def process(self, op, args, kwargs):
+        """One level down: the op's batching rule on the physical values (batch dim first),
+        with the dispatch state of outside restored."""
         if op is _DETACH and not is_user_detach():
             # torch's autograd detaching a saved output it recorded on this wrapper (user
             # code called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told
