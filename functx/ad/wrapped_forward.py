@@ -52,7 +52,7 @@ import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
 from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
 from .lifting import raise_captured_write
 
@@ -117,18 +117,8 @@ class DualTensor(LevelTensor):
 
     @staticmethod
     def __new__(cls, primal: torch.Tensor, tangent, level: "WrappedJvpLevel"):
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls,
-            primal.shape,
-            primal.stride(),
-            primal.storage_offset(),
-            dtype=primal.dtype,
-            device=primal.device,
-            layout=primal.layout,
-        )
-        wrapper._value = primal
+        wrapper = wrapper_like(cls, primal, level)
         wrapper._tangent = tangent
-        wrapper._interp = level
         return wrapper
 
     def __repr__(self):

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view
+from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
@@ -53,19 +53,7 @@ class GradTensor(LevelTensor):
 
     @staticmethod
     def __new__(cls, value: torch.Tensor, level: "WrappedGradLevel", requires_grad: bool = False):
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls,
-            value.shape,
-            value.stride(),
-            value.storage_offset(),
-            dtype=value.dtype,
-            device=value.device,
-            layout=value.layout,
-            requires_grad=requires_grad,
-        )
-        wrapper._value = value
-        wrapper._interp = level
-        return wrapper
+        return wrapper_like(cls, value, level, requires_grad)
 
     def __repr__(self):
         return f"GradTensor(level={self._interp.level}, value={self._value!r}, grad_fn={self.grad_fn})"

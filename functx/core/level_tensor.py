@@ -61,6 +61,24 @@ class LevelTensor(torch.Tensor):
         return top.process(op, args, kwargs or {})
 
 
+def wrapper_like(cls, value: torch.Tensor, interp, requires_grad: bool = False):
+    """A new `cls` wrapper of `value` at `interp`'s level, laid out like it (sizes, strides,
+    offset, dtype, device, layout): what an AD level's tensors look like from outside."""
+    wrapper = torch.Tensor._make_wrapper_subclass(
+        cls,
+        value.shape,
+        value.stride(),
+        value.storage_offset(),
+        dtype=value.dtype,
+        device=value.device,
+        layout=value.layout,
+        requires_grad=requires_grad,
+    )
+    wrapper._value = value
+    wrapper._interp = interp
+    return wrapper
+
+
 def unwrap_dead(x):
     """Strip the wrappers of finished transforms from `x` (a tensor, list or tuple)."""
     while isinstance(x, LevelTensor) and not x._interp.alive:
@@ -148,4 +166,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "is_user_detach", "level_of", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "is_user_detach", "level_of", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
