@@ -53,7 +53,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
-from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
+from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel, promote_for_write
 from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
@@ -276,6 +276,8 @@ class WrappedJvpLevel(WrappedLevel):
         mutated, inplace_view, writes_out = kind
         if inplace_view:
             return self._inplace_view(op, args, kwargs)
+        if mutated is not None and type(args[mutated]) is DualTensor and args[mutated]._interp is self:
+            promote_for_write(args[mutated], args)
         primals, tangents = self.split(args)
         kw_primals, kw_tangents = self.split(kwargs.values()) if kwargs else ((), ())
         if mutated is not None and not (type(args[mutated]) is DualTensor and args[mutated]._interp is self):

@@ -24,7 +24,7 @@ import torch
 
 from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
-from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
+from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad, promote_for_write
 from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
@@ -103,8 +103,11 @@ class WrappedGradLevel(WrappedLevel):
             if out is not None:
                 return out
         mutated = mutated_argument(op)
-        if mutated is not None and not (type(args[mutated]) is GradTensor and args[mutated]._interp is self):
-            self._check_write_into_foreign(op, args)
+        if mutated is not None:
+            if type(args[mutated]) is GradTensor and args[mutated]._interp is self:
+                promote_for_write(args[mutated], args)
+            else:
+                self._check_write_into_foreign(op, args)
         unwrap = self._unwrap
         values = [
             a._value if type(a) is GradTensor and a._interp is self

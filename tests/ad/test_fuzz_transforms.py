@@ -1034,3 +1034,12 @@ def test_regression_hessian_of_jvp_inplace_on_clones():
     """hessian(jvp): "fn_edge.is_valid() == this_edge.is_valid() INTERNAL ASSERT FAILED"."""
     program = Program([(3,)], [Op("clone_sin_"), Op("clone_setitem")])
     check(Case(program, [T("hessian", argnums=0, seed=0), T("jvp", seed=0)]))
+
+
+# Found by the 3000-example run.
+def test_regression_vjp_of_grad_of_vjp_write_into_clone_of_undifferentiated_input():
+    """`w = x0.clone()` made inside an inner vjp, where the grad around it does not
+    differentiate x0: the clone was plain at the grad level, and writing `x1.sum()` into it
+    raised the grad level's "captured tensor" error (torch.func runs it)."""
+    program = Program([(4,), (3,)], [Op("clone_mul_", seed=0), Op("clone_add_", j=1)])
+    check(Case(program, [T("vjp", seed=0), T("grad", argnums=1, seed=0), T("vjp", seed=0)]))
