@@ -115,3 +115,25 @@ def test_constant_writes_into_a_captured_tensor_are_fine():
     torch.testing.assert_close(functx.grad(functx.grad(lambda v: f(v)))(torch.tensor(1.0, dtype=D)), torch.tensor(2.0, dtype=D))
     torch.testing.assert_close(functx.hessian(f)(x), 2 * torch.eye(3, dtype=D))
     assert count.item() >= 2
+
+
+@pytest.mark.parametrize("transform", ["grad_of_grad", "jvp_of_jvp", "hessian"])
+def test_an_exception_leaves_the_stack_and_torch_function_modes_as_they_were(transform):
+    from torch.overrides import _get_current_function_mode_stack
+
+    def f(a):
+        torch.zeros(2, dtype=D)  # lifted while the wrapped level runs
+        raise ValueError("inside")
+
+    x = torch.tensor(0.5, dtype=D)
+    run = {
+        "grad_of_grad": lambda: functx.grad(functx.grad(f))(x),
+        "jvp_of_jvp": lambda: functx.jvp(lambda v: functx.jvp(f, (v,), (v,))[1], (x,), (x,)),
+        "hessian": lambda: functx.hessian(f)(x),
+    }[transform]
+    modes = len(_get_current_function_mode_stack())
+    with pytest.raises(ValueError, match="inside"):
+        run()
+    assert current_stack() == ()
+    assert len(_get_current_function_mode_stack()) == modes
+    assert type(torch.zeros(2)) is torch.Tensor  # nothing lifts any more
