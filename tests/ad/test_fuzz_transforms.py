@@ -1043,3 +1043,11 @@ def test_regression_vjp_of_grad_of_vjp_write_into_clone_of_undifferentiated_inpu
     raised the grad level's "captured tensor" error (torch.func runs it)."""
     program = Program([(4,), (3,)], [Op("clone_mul_", seed=0), Op("clone_add_", j=1)])
     check(Case(program, [T("vjp", seed=0), T("grad", argnums=1, seed=0), T("vjp", seed=0)]))
+
+
+def test_regression_vjp_of_jvp_logsumexp():
+    """vjp(jvp(logsumexp(sin x))): torch's logsumexp_jvp multiplies `exp` in place on plain
+    tensors, overwriting what the reverse level below saved ("modified by an inplace
+    operation"); a nested jvp level therefore runs torch's formulas on its carriers."""
+    program = Program([(3,)], [Op("sin"), Op("logsumexp", dim=-1)])
+    check(Case(program, [T("vjp", seed=0), T("jvp", seed=0)]))
