@@ -362,17 +362,23 @@ class WrappedJvpLevel(WrappedLevel):
         if not plain or self.nested:
             return _GENERAL
         try:
-            with _restore_autograd(), _views_tracked(), _forward_ad_on():
-                for i, tangent in enumerate(tangents):
-                    if tangent is not None:
-                        values[i] = _make_dual(values[i], tangent, _DUAL_LEVEL)
-                out = op(*values, **kwargs)
-                if isinstance(out, torch.Tensor):
-                    primal, tangent = _unpack_dual(out, _DUAL_LEVEL)
-                    return DualTensor(primal, tangent, self)
-                return self.wrap_outputs(out, True)
+            with _restore_autograd(), _forward_ad_on():
+                if _tls_excluded(_ADInplaceOrView):  # rare (see _views_tracked); the guard costs
+                    with _views_tracked():
+                        return self._on_plain_duals(op, values, tangents, kwargs)
+                return self._on_plain_duals(op, values, tangents, kwargs)
         except NotImplementedError:
             return _GENERAL  # the general path raises or falls back
+
+    def _on_plain_duals(self, op, values, tangents, kwargs):
+        for i, tangent in enumerate(tangents):
+            if tangent is not None:
+                values[i] = _make_dual(values[i], tangent, _DUAL_LEVEL)
+        out = op(*values, **kwargs)
+        if isinstance(out, torch.Tensor):
+            primal, tangent = _unpack_dual(out, _DUAL_LEVEL)
+            return DualTensor(primal, tangent, self)
+        return self.wrap_outputs(out, True)
 
     def split(self, values):
         """Primals and tangents (None where zero or not this level's) of op arguments."""
