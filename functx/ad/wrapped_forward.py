@@ -197,15 +197,30 @@ _op_kind_cache: dict = {}
 
 
 _OUT_OF_PLACE = (None, False, False)
+_VIEW = (None, False, False, "view")  # a view op: tangent of the view = the same view of the tangent
 _GENERAL = object()  # `_out_of_place` declined: the general path of `process`
 
 
+def _is_view_op(op) -> bool:
+    """One tensor returned, an alias of the first argument that it does not write."""
+    if op is aten.detach.default:  # aliases, but drops the tangent
+        return False
+    schema = op._schema
+    if len(schema.returns) != 1 or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None and not first.is_write
+
+
 def _op_kind(op):
-    """(index of the argument an in-place op writes or None, in-place view op?, out= op?)"""
+    """(index of the argument an in-place op writes or None, in-place view op?, out= op?),
+    and `_OUT_OF_PLACE` / `_VIEW` for the two common kinds."""
     kind = _op_kind_cache.get(op)
     if kind is None:
         kind = (mutated_argument(op), _inplace_view(op), _writes_out_argument(op))
-        kind = _op_kind_cache[op] = _OUT_OF_PLACE if kind == _OUT_OF_PLACE else kind
+        if kind == _OUT_OF_PLACE:
+            kind = _VIEW if _is_view_op(op) else _OUT_OF_PLACE
+        _op_kind_cache[op] = kind
     return kind
 
 
@@ -269,6 +284,11 @@ class WrappedJvpLevel(WrappedLevel):
         kind = _op_kind_cache.get(op)
         if kind is None:
             kind = _op_kind(op)
+        if kind is _VIEW:
+            out = self._view(op, args, kwargs)
+            if out is not _GENERAL:
+                return out
+            kind = _OUT_OF_PLACE
         if kind is _OUT_OF_PLACE:
             out = self._out_of_place(op, args, kwargs)
             if out is not _GENERAL:
@@ -322,6 +342,23 @@ class WrappedJvpLevel(WrappedLevel):
             with _restore_autograd():
                 out, out_tangent = jvp_by_double_vjp(op, primals, tangents, {}, error)
             return self._wrap_pairs(out, out_tangent)
+
+    def _view(self, op, args, kwargs):
+        """A view op on one tensor of this level (`unsqueeze`, `select`, `transpose`...): views
+        are linear, so the result's tangent is the same view of the tangent (torch's formula
+        for every view op), made directly, no duals; both stay views of what they view."""
+        x = args[0]
+        if type(x) is not DualTensor or x._interp is not self:
+            return _GENERAL
+        for a in args[1:]:
+            if isinstance(a, torch.Tensor) or type(a) is list or type(a) is tuple and any(isinstance(e, torch.Tensor) for e in a):
+                return _GENERAL
+        tangent = x._tangent
+        if tangent is None:
+            tangent = tangent_of(x)
+        with _restore_autograd():
+            primal = op(x._value, *args[1:], **kwargs)
+            return DualTensor(primal, None if tangent is None else op(tangent, *args[1:], **kwargs), self)
 
     def _out_of_place(self, op, args, kwargs):
         """`process` for the common case, in one pass: an out-of-place op whose tensors of
