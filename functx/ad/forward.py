@@ -26,6 +26,7 @@ from .arguments import check_argnums, check_outputs, identity_rows, replace_argn
 from .choose import choose_level
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
+from . import wrapped_forward
 from .wrapped_forward import NO_FORWARD_FORMULA
 
 _JVP = "jvp(f, primals, tangents)"
@@ -146,6 +147,9 @@ def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
     missing = object()  # an output with no tangent (None is not a pytree leaf)
     tangents = optree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
     return optree.tree_unflatten(out_spec, flat_out), optree.tree_map(lambda t: None if t is missing else t, tangents)
+
+
+wrapped_forward.op_jvp_without_formula = jvp_by_double_vjp  # the levels sit below the transforms
 
 
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):

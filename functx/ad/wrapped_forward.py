@@ -31,7 +31,7 @@ ordinary values, so the outer level differentiates the inner tangent too. Forwar
 therefore nests by construction: `jvp(jvp(f))`, `jacfwd(jacfwd(f))`, `jvp` of a `vmap`.
 
 An op with no forward formula in torch falls back, for that op only, to the double-VJP
-identity (forward.jvp_by_double_vjp).
+identity (`op_jvp_without_formula`, installed by forward.py).
 
     >>> import torch
     >>> from functx.core.interpreter import interpreting
@@ -97,6 +97,13 @@ def load_forward_decompositions():
         import torch._decomp.decompositions_for_jvp  # noqa: F401
 
         _forward_decompositions_loaded = True
+
+
+def op_jvp_without_formula(op, primals, tangents, kwargs, error):
+    """`(output, output tangents)` of one op torch has no forward formula for. The transforms
+    above the levels install it (forward.jvp_by_double_vjp: the double-VJP identity, which
+    needs `vjp` and `grad`)."""
+    raise error
 
 
 def _forward_ad_on():
@@ -337,10 +344,8 @@ class WrappedJvpLevel(WrappedLevel):
             simple = mutated is None and not kwargs and all(t is not _LIST_MARK for t in tangents)
             if NO_FORWARD_FORMULA not in str(error) or not simple:
                 raise
-            from .forward import jvp_by_double_vjp  # the transforms import this module
-
             with _restore_autograd():
-                out, out_tangent = jvp_by_double_vjp(op, primals, tangents, {}, error)
+                out, out_tangent = op_jvp_without_formula(op, primals, tangents, {}, error)
             return self._wrap_pairs(out, out_tangent)
 
     def _view(self, op, args, kwargs):
