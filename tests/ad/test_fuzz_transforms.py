@@ -775,6 +775,21 @@ ALLOWED_ERRORS = [
 ]
 
 
+def _known_gap(case, error) -> bool:
+    """Issue 12's open item, accepted while fuzzing (it is a clear error, not a wrong value;
+    `test_regression_vmap_of_grad_unbatched_argnum_copied_into_fresh_buffer` pins it as a
+    strict xfail): right inside `vmap(..., in_dims=None for some argument)`, `grad`/`jacrev`
+    give the unbatched differentiated input the batch dim, so writing it into a buffer made
+    inside the function is refused by vmap although torch.func runs it."""
+    if not re.search(r"vmap: \S+ writes in place into a tensor that is not batched", str(error)):
+        return False
+    stack = case.stack
+    return any(
+        outer.kind == "vmap" and None in outer.params["in_dims"] and inner.kind in ("grad", "jacrev", "hessian")
+        for outer, inner in zip(stack, stack[1:])
+    )
+
+
 def _raises(fn):
     try:
         with warnings.catch_warnings():
@@ -786,7 +801,8 @@ def _raises(fn):
 
 
 def check(case, lib=functx, rtol=RTOL, atol=ATOL):
-    """functx (`lib`) on `case` against `Ref`: equal, or an allowed error torch.func raises too."""
+    """functx (`lib`) on `case` against `Ref`: equal, or an allowed error torch.func raises too
+    (while fuzzing, also the known gap `_known_gap`)."""
     fuzzing = currently_in_test_context()
     expected = case.run(Ref).detach()
     tame = bool(torch.isfinite(expected).all() and expected.abs().max() < 1e4)  # exp/pow chains can blow up
@@ -801,6 +817,9 @@ def check(case, lib=functx, rtol=RTOL, atol=ATOL):
         if any(p.search(str(error)) for p in ALLOWED_ERRORS) and _raises(lambda: case.batch_size_at_least(2).run(torch.func)):
             if fuzzing:
                 event("allowed functx error")
+            return
+        if fuzzing and _known_gap(case, error):
+            event("known gap (issue 12): vmap(grad) copy of an unbatched input into a fresh buffer")
             return
         raise AssertionError(f"functx raised where the reference runs: {type(error).__name__}: {error}") from error
     assert current_stack() == (), "functx left its interpreter stack dirty"
