@@ -104,11 +104,8 @@ def promote_for_write(target, args) -> None:
     if top == below:
         return
     for level in current_stack():
-        if below < level.level <= top:
-            if isinstance(level, WrappedLevel):
-                value = level.lift(value)
-            elif not isinstance(level, ADLevel):
-                return  # a vmap level: batching the buffer is its business (it raises clearly)
+        if below < level.level <= top and isinstance(level, WrappedLevel):
+            value = level.lift(value)  # (a vmap level in between: its rules batch or refuse)
     target._value = value
 
 

@@ -779,13 +779,14 @@ def _known_gap(case, error) -> bool:
     """Issue 12's open item, accepted while fuzzing (it is a clear error, not a wrong value;
     `test_regression_vmap_of_grad_unbatched_argnum_copied_into_fresh_buffer` pins it as a
     strict xfail): right inside `vmap(..., in_dims=None for some argument)`, `grad`/`jacrev`
-    give the unbatched differentiated input the batch dim, so writing it into a buffer made
+    (and `jvp`, whose primals are copied batched) give the unbatched differentiated input
+    the batch dim, so writing it into a buffer made
     inside the function is refused by vmap although torch.func runs it."""
     if not re.search(r"vmap: \S+ writes in place into a tensor that is not batched", str(error)):
         return False
     stack = case.stack
     return any(
-        outer.kind == "vmap" and None in outer.params["in_dims"] and inner.kind in ("grad", "jacrev", "hessian")
+        outer.kind == "vmap" and None in outer.params["in_dims"] and inner.kind in ("grad", "jacrev", "hessian", "jvp")
         for outer, inner in zip(stack, stack[1:])
     )
 
@@ -1070,3 +1071,12 @@ def test_regression_vjp_of_jvp_logsumexp():
     operation"); a nested jvp level therefore runs torch's formulas on its carriers."""
     program = Program([(3,)], [Op("sin"), Op("logsumexp", dim=-1)])
     check(Case(program, [T("vjp", seed=0), T("jvp", seed=0)]))
+
+
+# Found by the 5000-example run.
+def test_regression_jacfwd_of_grad_write_into_clone_of_value_jvp_does_not_differentiate():
+    """jacfwd(argnums=1) over grad(argnums=0): `w = sin(x0).clone()` is the grad level's, plain
+    at the jvp level (x0 has no tangent there); `w.add_(x1.sum())` raised the jvp level's
+    "captured tensor" error: the lift into the wrapped levels below stopped at jacfwd's vmap."""
+    program = Program([(4,), (3,)], [Op("sin"), Op("clone_add_", j=1), Op("clone_mul_", seed=0)])
+    check(Case(program, [T("jacfwd", argnums=1), T("grad", argnums=0, seed=0)]))
