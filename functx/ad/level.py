@@ -37,8 +37,7 @@ import optree
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, is_user_detach, level_of
+from ..core.level_tensor import LevelTensor, is_user_detach, promote_for_write  # noqa: F401  (re-exported)
 from .lifting import FactoryLifting
 
 _no_context = contextlib.nullcontext()
@@ -84,29 +83,6 @@ class WrappedLevel(ADLevel):
     def lift(self, value: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         """A tensor made inside the function: a constant of this level."""
         raise NotImplementedError
-
-
-def promote_for_write(target, args) -> None:
-    """Before an in-place op of a wrapped level writes `args` into `target` (its own tensor):
-    the value under `target` must be a tensor of every wrapped AD level below that the
-    written values belong to, or that level would see a write into a tensor not its own (a
-    clone of an input that level does not differentiate, made while an inner level was
-    running, is plain there). Such a value is lifted into those levels as a constant, in
-    place of the wrapper's value: the wrapper is what user code holds."""
-    value = target._value
-    below = level_of(value)
-    top = below
-    for a in args:
-        for t in a if type(a) is list or type(a) is tuple else (a,):
-            if isinstance(t, LevelTensor) and t is not target:
-                inner = t._value if t._interp is target._interp else t
-                top = max(top, level_of(inner))
-    if top == below:
-        return
-    for level in current_stack():
-        if below < level.level <= top and isinstance(level, WrappedLevel):
-            value = level.lift(value)  # (a vmap level in between: its rules batch or refuse)
-    target._value = value
 
 
 def outside_inference_mode():

@@ -16,6 +16,7 @@ import torch
 import torch.utils._mode_utils
 
 from .errors import op_name
+from .interpreter import current_stack
 
 
 _detach = torch.ops.aten.detach.default
@@ -77,6 +78,30 @@ def wrapper_like(cls, value: torch.Tensor, interp, requires_grad: bool = False):
     wrapper._value = value
     wrapper._interp = interp
     return wrapper
+
+
+def promote_for_write(target, args) -> None:
+    """Before an in-place op of `target`'s level writes `args` into `target` (its own tensor):
+    the value under `target` must be a tensor of every level below that owns wrappers and
+    that the written values belong to, or that level would see a write into a tensor not its
+    own (a clone of an input that level does not differentiate, made while an inner level
+    was running, is plain there). Such a value is lifted into those levels as a constant
+    (`level.lift`: the wrapped AD levels), in place of the wrapper's value: the wrapper is
+    what user code holds. Levels without `lift` (vmap) batch or refuse in their own rules."""
+    value = target._value
+    below = level_of(value)
+    top = below
+    for a in args:
+        for t in a if type(a) is list or type(a) is tuple else (a,):
+            if isinstance(t, LevelTensor) and t is not target:
+                inner = t._value if t._interp is target._interp else t
+                top = max(top, level_of(inner))
+    if top == below:
+        return
+    for level in current_stack():
+        if below < level.level <= top and hasattr(level, "lift"):
+            value = level.lift(value)
+    target._value = value
 
 
 def unwrap_dead(x):
@@ -166,4 +191,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "is_user_detach", "level_of", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor, is_user_detach
+from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write
 from ..core.rules import RuleTable
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
@@ -77,6 +77,9 @@ class VmapInterpreter(Interpreter):
             # code called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told
             # apart from a user's detach here, before the outside dispatch state is restored.
             return BatchedTensor(args[0]._value, self)
+        mutated = mutated_argument(op)
+        if mutated is not None and type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
+            promote_for_write(args[mutated], args)
         handler = VMAP_RULES.handler(op)
         direct = self.direct_ad
         if direct is not None and direct.forward_mode:

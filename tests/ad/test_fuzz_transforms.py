@@ -1080,3 +1080,12 @@ def test_regression_jacfwd_of_grad_write_into_clone_of_value_jvp_does_not_differ
     "captured tensor" error: the lift into the wrapped levels below stopped at jacfwd's vmap."""
     program = Program([(4,), (3,)], [Op("sin"), Op("clone_add_", j=1), Op("clone_mul_", seed=0)])
     check(Case(program, [T("jacfwd", argnums=1), T("grad", argnums=0, seed=0)]))
+
+
+def test_regression_vjp_of_jacrev_of_vmap_write_into_clone_of_batched_input():
+    """vjp(jacrev(argnums=1)(vmap(in_dims=(0, None)))): `w = x0.clone()` is batched at the
+    vmap level but plain at jacrev's level (x0 is not differentiated there); vmap's rule for
+    `w.add_(x1)` wrote jacrev's x1 into it and jacrev refused a write into "a captured
+    tensor": vmap now lifts the value under its target into the wrapped levels below too."""
+    program = Program([(3,), (3,)], [Op("clone_add_", j=1), Op("sin")])
+    check(Case(program, [T("vjp", seed=0), T("jacrev", argnums=1), T("vmap", in_dims=(0, None), out_dims=0, size=1)]))
