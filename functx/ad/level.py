@@ -37,7 +37,7 @@ import optree
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor, is_user_detach, promote_for_write  # noqa: F401  (re-exported)
+from ..core.level_tensor import LevelTensor, is_user_detach
 from .lifting import FactoryLifting
 
 _no_context = contextlib.nullcontext()

@@ -52,8 +52,8 @@ import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
-from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel, promote_for_write
+from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
+from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
 from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot

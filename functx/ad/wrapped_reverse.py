@@ -22,9 +22,9 @@ import contextlib
 
 import torch
 
-from ..core.level_tensor import LevelTensor, mutated_argument, replay_inplace_view, wrapper_like
+from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
-from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad, promote_for_write
+from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot

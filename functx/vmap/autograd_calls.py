@@ -116,10 +116,11 @@ def route_autograd_grad(interp, func, args, kwargs):
             levels, physical = chain
             levels_used.update(levels)
             pairs.append((physical, _physical_cotangent(levels, g, out, physical)))
-        physical_inputs = []
+        physical_inputs, input_levels = [], []
         for x in inputs:
             chain = _chain(x)
             levels = chain[0] if chain else []
+            input_levels.append(levels)
             if not levels_used <= set(levels):
                 raise NotImplementedError(
                     "torch.autograd.grad inside functx.vmap: an input is not batched at every vmap "
@@ -130,7 +131,7 @@ def route_autograd_grad(interp, func, args, kwargs):
             physical_inputs.append(chain[1] if chain else x)
     grads = torch.autograd.grad([o for o, _ in pairs], physical_inputs, [c for _, c in pairs], **options)
     with functx_code():
-        return tuple(None if g is None else rewrap_like(x, _chain(x)[0] if _chain(x) else [], g) for g, x in zip(grads, inputs))
+        return tuple(None if g is None else rewrap_like(x, levels, g) for g, x, levels in zip(grads, inputs, input_levels))
 
 
 def _physical_cotangent(levels, cotangent, out, physical):
