@@ -72,6 +72,14 @@ def check_outputs(flat_out, output, api: str) -> None:
             raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
 
 
+def check_aux(aux) -> None:
+    """`aux` (what a has_aux function returns beside its output) holds only tensors, in any
+    containers: torch.func refuses every other leaf, None and python numbers included."""
+    for leaf in optree.tree_leaves(aux, none_is_leaf=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise RuntimeError(f"Expected tensors, got unsupported type {type(leaf)}")
+
+
 def identity_rows(flat, start, stop):
     """Rows start..stop of the identity matrix over the flattened tensors `flat`, split
     and shaped like them: the basis vectors whose VJPs (JVPs) are the Jacobian's rows

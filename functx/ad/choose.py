@@ -2,7 +2,11 @@
 
 - reverse, outermost (no transform active): direct over plain tensors, except with complex
   inputs (a plain complex leaf's lazy conj bit is materialized by torch below autograd at an
-  inner level, cutting the plain graph: vjp of vjp of `torch.polar`);
+  inner level, cutting the plain graph: vjp of vjp of `torch.polar`), and except `vjp` under
+  an outer `no_grad()` (torch.func: the forward stays out of the outside's graph, yet a
+  `vjp_fn` called later with grad mode on records its backward there; a direct level records
+  both or neither, a wrapped level's backward runs on its dead wrappers under the grad
+  mode of the call, core/level_tensor.py);
 - `grad` right inside k >= 1 vmap levels, `jacrev` right inside exactly one, `jvp` right
   inside k >= 1: direct on vmap's physical tensors, when everything under those vmap
   levels is plain (below them only outermost direct grad levels; for `jvp` nothing: an AD
@@ -47,6 +51,8 @@ def choose_level(transform: str, differentiated):
     stack = current_stack()
     if transform in REVERSE:
         if not stack:
+            if transform == "vjp" and not torch.is_grad_enabled():
+                return WrappedGradLevel()
             if any(isinstance(x, torch.Tensor) and x.is_complex() for x in optree.tree_leaves(differentiated)):
                 return WrappedGradLevel()
             return DirectGradLevel(())

@@ -22,28 +22,29 @@ from __future__ import annotations
 
 import threading
 
+import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
-from ..core.custom_function import apply_original, is_new_style, register_level_rule, user_backward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward
 from .wrapped_forward import WrappedJvpLevel, make_duals
 from .wrapped_reverse import WrappedGradLevel
 
 _pending = threading.local()  # the level whose single-level Function is being applied
-_single_level: dict = {}
 
 
 def single_level_function(function):
-    """The single-level version of `function` (cached per Function class)."""
-    try:
-        return _single_level[function]
-    except KeyError:
-        pass
+    """The single-level version of `function`. Made once per Function class
+    (`cached_on_class`: not kept alive by functx)."""
     name = function.__name__
 
     def forward(*args):
         level = _pending.level
-        values = tuple(a._value if getattr(a, "_interp", None) is level else a for a in args)
+        # this level's tensors inside containers too (`F.apply([a, b])`), as torch.func does:
+        # torch's autograd does not see them, and one level down they must not be seen either
+        values = optree.tree_map(
+            lambda a: a._value if getattr(a, "_interp", None) is level else a, args, none_is_leaf=True
+        )
         # torch runs a Function's forward with grad and forward grad off; one level down
         # they are what they were outside this level (lower levels record, and a lower
         # jvp level must see the Function to call its jvp).
@@ -69,9 +70,7 @@ def single_level_function(function):
         "jvp": staticmethod(jvp),
         "__qualname__": f"{name}AtLevel",
     }
-    generated = type(f"{name}AtLevel", (torch.autograd.Function,), members)
-    _single_level[function] = generated
-    return generated
+    return type(f"{name}AtLevel", (torch.autograd.Function,), members)
 
 
 def _wrap_outputs(level, outputs, args, values):
@@ -101,7 +100,7 @@ def apply_at_grad_level(level, function, args, kwargs):
     carriers) is the highest level."""
     if not is_new_style(function):
         return apply_original(function, *args, **kwargs)
-    generated = single_level_function(function)
+    generated = cached_on_class(function, "single_level", single_level_function)
     previous = getattr(_pending, "level", None)
     _pending.level = level
     try:
@@ -112,6 +111,11 @@ def apply_at_grad_level(level, function, args, kwargs):
 
 def apply_at_jvp_level(level, function, args, kwargs):
     """`function.apply(*args)` where `level` (a wrapped jvp level) is the highest level."""
+    # torch's autograd.Function differentiates its tensor arguments, not tensors inside
+    # containers: those go in as primals, without tangents (as in torch.func)
+    args = tuple(
+        a if isinstance(a, torch.Tensor) else optree.tree_map(level._inner, a, none_is_leaf=True) for a in args
+    )
     primals, tangents = level.split(args)
     if all(t is None for t in tangents):
         return level.wrap_outputs(function.apply(*primals, **kwargs), False)

@@ -238,16 +238,27 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
             return optree.tree_unflatten(out_spec, tangents), aux
 
         total = sum(x.numel() for x in flat_diff)
-        step = max(total, 1) if chunk_size is None else chunk_size
-        chunks = []
-        for start in range(0, total, step):
+        if total == 0:  # no columns: one JVP (zero tangents) gives the outputs' shapes and aux
             with functx_code():
-                basis = identity_rows(flat_diff, start, min(start + step, total))
-            chunks.append(vmap(push_jvp, randomness=randomness)(*basis))
-        columns, aux = chunks[0]
-        flat_cols, out_spec = optree.tree_flatten(columns)
-        if len(chunks) > 1:  # (total, *out.shape) per output
-            flat_cols = [torch.cat(parts) for parts in zip(*(optree.tree_leaves(c) for c, _ in chunks))]
+                zeros = [torch.zeros_like(x) for x in flat_diff]
+            columns, aux = push_jvp(*zeros)
+            flat_cols, out_spec = optree.tree_flatten(columns)
+            with functx_code():
+                flat_cols = [c.unsqueeze(0)[:0] for c in flat_cols]
+        else:
+            step = total if chunk_size is None else chunk_size
+            chunks = []
+            for start in range(0, total, step):
+                with functx_code():
+                    basis = identity_rows(flat_diff, start, min(start + step, total))
+                # without aux, push_jvp's second output is None (out_dim None, as torch.func)
+                chunks.append(vmap(push_jvp, randomness=randomness, out_dims=(0, 0 if has_aux else None))(*basis))
+            columns, aux = chunks[0]
+            # aux does not depend on the basis: every batch element is the same
+            aux = optree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
+            flat_cols, out_spec = optree.tree_flatten(columns)
+            if len(chunks) > 1:  # (total, *out.shape) per output
+                flat_cols = [torch.cat(parts) for parts in zip(*(optree.tree_leaves(c) for c, _ in chunks))]
         per_output = []
         for col in flat_cols:
             out_shape = col.shape[1:]
@@ -260,9 +271,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
             ]
             per_output.append(optree.tree_unflatten(diff_spec, leaves))
         jacobian = optree.tree_unflatten(out_spec, per_output)
-        if has_aux:  # aux does not depend on the basis: every batch element is the same
-            return jacobian, optree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
-        return jacobian
+        return (jacobian, aux) if has_aux else jacobian
 
     return wrapper
 

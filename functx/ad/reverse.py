@@ -11,6 +11,7 @@ from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (
     check_argnums,
+    check_aux,
     check_outputs,
     identity_rows,
     make_differentiable,
@@ -27,6 +28,7 @@ def _split_aux(output, has_aux: bool, api: str):
         return output, None
     if not (isinstance(output, tuple) and len(output) == 2):
         raise RuntimeError(f"{api}: output of function f should be a tuple: (output, aux) if has_aux is True")
+    check_aux(output[1])
     return output
 
 
@@ -179,9 +181,15 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
     Returns, per flat output, the flat list of its Jacobian blocks (one per flat input,
     shaped `output.shape + input.shape`), and the input structure."""
     total = sum(o.numel() for o in flat_out)
-    step = total if chunk_size is None else chunk_size
+    step = max(total, 1) if chunk_size is None else chunk_size
     one_vjp = lambda *cot: vjp_fn(optree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
     flat_in, in_spec = None, None
+    if total == 0:  # no rows: one VJP of the (empty) outputs gives the inputs' shapes
+        with functx_code():
+            zeros = [torch.zeros_like(o) for o in flat_out]
+        rows, in_spec = optree.tree_flatten(one_vjp(*zeros))
+        with functx_code():
+            flat_in = [r.unsqueeze(0)[:0] for r in rows]
     for start in range(0, total, step):
         stop = min(start + step, total)
         with functx_code():

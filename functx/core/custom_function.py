@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 
+import optree
 import torch
 from torch.autograd.function import _is_setup_context_defined
 
@@ -42,7 +43,6 @@ from .level_tensor import LevelTensor, unwrap_dead
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object
 _original_apply_function = _ORIGINAL_APPLY.__func__
-_signatures: dict = {}
 
 
 def apply_original(function, *args, **kwargs):
@@ -56,6 +56,26 @@ _LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwar
 def register_level_rule(level_class, rule) -> None:
     """How levels of `level_class` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
     _LEVEL_RULES[level_class] = rule
+
+
+def cached_on_class(function, key, make):
+    """`make(function)`, made once per Function class and kept on the class itself.
+
+    Not in a module-level dict: that would keep every Function class alive for good, and
+    classes defined inside a function called in a loop would pile up. What is cached here
+    (generated Functions) refers back to the class, so a `WeakKeyDictionary` would not free
+    it either; on the class, the two form a cycle that `gc` collects with the class. Read
+    from the class's own `__dict__`: a subclass must not find its parent's entries.
+    """
+    cache = function.__dict__.get("_functx_cache")
+    if cache is None:
+        cache = {}
+        setattr(function, "_functx_cache", cache)
+    try:
+        return cache[key]
+    except KeyError:
+        value = cache[key] = make(function)
+        return value
 
 
 def user_backward(function):
@@ -74,15 +94,18 @@ def _apply(cls, *args, **kwargs):
     if not _interpreter._stack.interpreters:  # no transform running on this thread
         return _original_apply_function(cls, *args, **kwargs)
     if is_new_style(cls):  # torch binds keywords and defaults to forward's positions too
-        signature = _signatures.get(cls)
-        if signature is None:
-            signature = _signatures[cls] = inspect.signature(cls.forward)
+        signature = cached_on_class(cls, "signature", _forward_signature)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         args, kwargs = bound.args, bound.kwargs
-    args = tuple(unwrap_dead(a) if isinstance(a, LevelTensor) else a for a in args)
+    # Tensors inside containers count too (`F.apply([a, b])`): torch.func looks through
+    # pytrees, and a level must see them to unwrap them before applying one level down.
+    leaves, spec = optree.tree_flatten(args, none_is_leaf=True)
+    if any(isinstance(a, LevelTensor) and not a._interp.alive for a in leaves):
+        leaves = [unwrap_dead(a) for a in leaves]
+        args = optree.tree_unflatten(spec, leaves)
     top = None
-    for a in args:
+    for a in leaves:
         if isinstance(a, LevelTensor) and (top is None or a._interp.level > top.level):
             top = a._interp
     if top is None:
@@ -93,4 +116,10 @@ def _apply(cls, *args, **kwargs):
     return rule(top, cls, args, kwargs)
 
 
+def _forward_signature(function):
+    return inspect.signature(function.forward)
+
+
+# what users see in error messages and reprs (`vmap(apply, ...)`), as with torch's own
+_apply.__name__, _apply.__qualname__ = "apply", "Function.apply"
 torch.autograd.Function.apply = classmethod(_apply)

@@ -42,6 +42,12 @@ class LevelTensor(torch.Tensor):
     # Ops reach us as ATen ops only; no Python-level __torch_function__ work per call.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def tolist(self):
+        """The Python values of the value one level down (torch refuses `tolist` on every
+        tensor subclass; `.item()` arrives as an op). An AD level's tensor holds one value;
+        vmap's BatchedTensor overrides this to refuse, as it refuses `.item()`."""
+        return self._value.tolist()
+
     @classmethod
     def __torch_dispatch__(cls, op, types, args=(), kwargs=None):
         top = None

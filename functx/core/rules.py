@@ -47,10 +47,12 @@ def overloads(*ops):
 class RuleTable:
     """Rules of one transform. `handler(op)` is the dispatch-time lookup (cached)."""
 
-    def __init__(self, transform: str, fallback: Callable | None = None):
+    def __init__(self, transform: str, fallback: Callable | None = None, guard: Callable | None = None):
         self.transform = transform
         self.rules: dict = {}
         self.fallback = fallback
+        # `guard(op, handler)` wraps every handler but the fallback (vmap: per-sample checks)
+        self.guard = guard
         self.templates: list = []
         self._handlers: dict = {}
 
@@ -93,6 +95,8 @@ class RuleTable:
 
     def _resolve(self, op):
         handler = self._resolve_rule(op)
+        if self.guard is not None and self.how(op) != "fallback":
+            handler = self.guard(op, handler)
         if torch.Tag.inplace_view in op.tags:
             return _fixing_wrapper_metadata(op, handler)
         return handler

@@ -100,6 +100,13 @@ def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
                 f"an input but the input is of type {type(arg)}. We cannot vmap over non-Tensor "
                 f"arguments, please use None as the respective in_dim"
             )
+        if arg.is_nested or arg.layout is not torch.strided:
+            raise NotImplementedError(
+                f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): {_describe_path(path)} is a "
+                f"{'nested' if arg.is_nested else str(arg.layout)} tensor; functx.vmap maps over "
+                f"strided tensors only. For ragged samples, vmap over a padded strided tensor (with "
+                f"a mask), or loop over `tensor.unbind()`; sparse inputs: `.to_dense()`."
+            )
         if not -arg.dim() <= dim < max(arg.dim(), 1) or arg.dim() == 0:
             raise ValueError(
                 f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for "
@@ -140,6 +147,9 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
                 x if d is None else BatchedTensor(x if d == 0 else x.movedim(d, 0), interp)
                 for x, d in zip(leaves, flat_dims)
             ]
+            for b, x, d in zip(batched, leaves, flat_dims):
+                if d:  # for autograd.Function vmap rules, given the in_dim (custom_function.py)
+                    b._vmap_input = (d % x.dim(), x, b._value)
         with RandomnessMode(interp):  # user code only
             outputs = func(*optree.tree_unflatten(spec, batched), **kwargs)
         with functx_code():
@@ -148,7 +158,7 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
 
 def _flat_out_dims(func, out_dims, outputs):
     """One out_dim per output leaf: `out_dims` is an int/None or a prefix of the outputs."""
-    n_leaves = optree.tree_structure(outputs).num_leaves
+    n_leaves = optree.tree_structure(outputs, none_is_leaf=True).num_leaves
     if out_dims is None or (isinstance(out_dims, int) and not isinstance(out_dims, bool)):
         return [out_dims] * n_leaves
     dim_leaves = optree.tree_leaves(out_dims, none_is_leaf=True)
@@ -167,12 +177,13 @@ def _flat_out_dims(func, out_dims, outputs):
             f"vmap({_name(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
             f"compatible with the structure of `outputs`. out_dims has structure "
             f"{optree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure "
-            f"{optree.tree_structure(outputs)}."
+            f"{optree.tree_structure(outputs, none_is_leaf=True)}."
         ) from None
 
 
 def _unbatch_outputs(func, outputs, out_dims, interp):
-    flat_out, out_spec = optree.tree_flatten(outputs)
+    # None is an output like any other (torch.func: it needs out_dim None)
+    flat_out, out_spec = optree.tree_flatten(outputs, none_is_leaf=True)
     flat_out_dims = _flat_out_dims(func, out_dims, outputs)
     unbatched = [_unbatch(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
     return optree.tree_unflatten(out_spec, unbatched)
@@ -215,7 +226,7 @@ def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dim
         chunk_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
         size = next(s[c].size(d) for s, d in zip(split, flat_dims) if s is not None)
         chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
-    flat_chunks = [optree.tree_flatten(o) for o in chunk_outputs]
+    flat_chunks = [optree.tree_flatten(o, none_is_leaf=True) for o in chunk_outputs]
     out_spec = flat_chunks[0][1]
     flat_out_dims = _flat_out_dims(func, out_dims, chunk_outputs[0])
     merged = [

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import DeadLevelError
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write
 from ..core.rules import RuleTable
+from .per_sample_check import per_sample_checked
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _DETACH = torch.ops.aten.detach.default
@@ -52,6 +54,13 @@ class BatchedTensor(LevelTensor):
         _wrapper_requires_grad.__set__(self, flag)
 
     __str__ = __repr__
+
+    def tolist(self):
+        raise RuntimeError(
+            "vmap: .tolist() of a batched tensor: it needs one Python value per element, but "
+            "inside vmap the tensor holds one value per batch element. Return the tensor from the "
+            "vmapped function and call .tolist() on the result."
+        )
 
 
 class VmapInterpreter(Interpreter):
@@ -97,6 +106,19 @@ class VmapInterpreter(Interpreter):
         with _restore_autograd():
             return handler(self, *args, **kwargs)
 
+    def unwrap_dead(self, x):
+        """A BatchedTensor used after its vmap returned (it escaped: stored in a list, an
+        attribute, a closure). Its value still carries the batch dim while its shape says
+        one sample: any result would disagree with its own metadata (`.shape` (3,) but
+        `.sum()` over the batch) or lose derivatives. Refuse, as torch.func does."""
+        raise DeadLevelError(
+            f"vmap: a tensor of shape {tuple(x.shape)} created inside a functx.vmap was used after "
+            f"that vmap returned (it escaped the vmapped function, e.g. stored in a list, an "
+            f"attribute or a closure). Its value holds the whole batch, so it cannot stand for "
+            f"one sample any more. Return it from the vmapped function instead (it comes back "
+            f"with the batch dim at out_dims)."
+        )
+
     # -- helpers used by every rule ------------------------------------------------
     def is_batched(self, x) -> bool:
         return type(x) is BatchedTensor and x._interp is self
@@ -124,5 +146,5 @@ def _fallback_factory(op):
     return loop_fallback(op)
 
 
-VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory)
+VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""

@@ -2,12 +2,28 @@
 
 A torch 2.x style Function is batched by
 - its `vmap` staticmethod, called with `VmapInfo(batch_size, randomness)`, the in_dims
-  (0 for this level's batched arguments, None otherwise) and the physical values; it
-  returns `(outputs, out_dims)`;
+  and the physical values; it returns `(outputs, out_dims)`, checked as torch.func checks
+  them (and for the batch size, which torch.func does not check);
 - or, with `generate_vmap_rule = True`, by a generated Function whose `forward`,
   `setup_context`, `backward` and `jvp` are the user's under `vmap` (saved tensors keep
   their batch dims; gradients of unbatched inputs are summed over the batch);
 - otherwise it is an error, as in torch.func.
+As in torch.func, `in_dims` is a tuple with one entry per positional argument (keywords
+bound to forward's parameters), mirroring containers among the arguments (`F.apply([a, b])`
+gets `([0, 0],)`), with None for non-tensors and tensors not batched at this level. An
+int says where the batch dim of the physical value is. torch.func gives wherever its physical
+batch dim happens to be; functx keeps its batch dim first, so it gives 0, except for a tensor
+passed to vmap and handed to the Function as is (maybe written in place), where torch.func
+gives vmap's in_dim (made non-negative, each vmap level its own; each chunk's with
+chunk_size): functx gives that in_dim too, with the tensor passed to vmap (api.py records
+it on the input's BatchedTensor as `_vmap_input`). After other ops the two may differ:
+torch.func keeps the batch dim where it was through unary pointwise ops (`x.sin()`,
+`x.clone()`: still the in_dim) and in-place view ops (`x.t_()`), and for an input of
+`vmap(grad(f))` (functx's grad level there differentiates new batched tensors), where functx
+gives 0; through binary ops, views and reductions both give 0. A correct `vmap` staticmethod reads the dims it
+gets, so it works with both. torch.library custom ops' vmap rules get theirs the same way
+(rules/custom_ops.py).
+
 The batched Function is applied one level down, so lower levels (a `grad` around the
 `vmap`) see a Function with the user's backward, not its forward's operations.
 
@@ -18,14 +34,16 @@ custom backward still holds.
 
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
+import weakref
 from typing import NamedTuple
 
 import optree
 import torch
 
-from ..core.custom_function import is_new_style, register_level_rule, user_backward
+from ..core.custom_function import cached_on_class, is_new_style, register_level_rule, user_backward
 from ..core.errors import PerformanceWarning
 from .batched_tensor import VmapInterpreter
 
@@ -44,7 +62,7 @@ def apply_at_vmap_level(level, function, args, kwargs):
     name = function.__name__
     if not is_new_style(function):
         return _per_sample(level, function, args, kwargs)
-    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+    if any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(kwargs)):
         raise NotImplementedError(
             f"Run vmap on autograd.Function with kwarg-only Tensor args. Please do not pass "
             f"kwarg-only Tensors to autograd.Function. Got: {kwargs}"
@@ -63,46 +81,122 @@ def apply_at_vmap_level(level, function, args, kwargs):
             f"You tried to vmap over {name}, but it does not have vmap support. Please override "
             f"and implement the vmap staticmethod or set generate_vmap_rule=True. {_EXTENDING}"
         )
-    in_dims = tuple(0 if level.is_batched(a) else None for a in args)
-    values = tuple(level.unwrap(a) for a in args)
+    in_dims, values = in_dims_and_values(level, args, user_dims=True)
     result = function.vmap(VmapInfo(level.batch_size, level.randomness), in_dims, *values, **kwargs)
-    return wrap_user_outputs(level, result, args, values)
+    return wrap_user_outputs(level, result, args, values, f"the vmap staticmethod of {name}", in_dims)
 
 
-def wrap_user_outputs(level, result, args, values):
-    """Batched results of a user's vmap rule: `result` is its `(outputs, out_dims)`."""
+def in_dims_and_values(level, args, user_dims=False):
+    """torch.func's in_dims for `args` (through containers: None for anything not batched at
+    this level) and the physical values. The batch dim of a value is first (in_dim 0), or,
+    with `user_dims`, where vmap's caller had it for a tensor passed to vmap as is."""
+    leaves, spec = optree.tree_flatten(args, none_is_leaf=True)
+    in_dims, values = [], []
+    for a in leaves:
+        if not level.is_batched(a):
+            in_dims.append(None)
+            values.append(a)
+        elif user_dims and hasattr(a, "_vmap_input"):
+            value, dim = _as_passed_to_vmap(a)
+            values.append(value)
+            in_dims.append(dim)
+        else:
+            values.append(a._value)
+            in_dims.append(0)
+    return optree.tree_unflatten(spec, in_dims), optree.tree_unflatten(spec, values)
+
+
+def _as_passed_to_vmap(a):
+    """`(physical value, in_dim)` of `a`, a vmap input (api.py set `a._vmap_input = (in_dim
+    made non-negative, the tensor passed to vmap, the physical value made from it)` for an
+    in_dim given other than 0): that tensor
+    itself and its in_dim, as torch.func gives them (which keeps the identity of an outer
+    level's input, so that level gives its in_dim too); the current physical value with its
+    batch dim moved there if an inner AD level replaced it (lifted: the same layout); the
+    physical value and 0 after in-place view ops (`a.t_()`) changed its layout."""
+    dim, passed, physical = a._vmap_input
+    value = a._value
+    shape, stride = list(passed.shape), list(passed.stride())
+    shape.insert(0, shape.pop(dim))
+    stride.insert(0, stride.pop(dim))
+    if list(value.shape) != shape or list(value.stride()) != stride:
+        return value, 0
+    return (passed if value is physical else value.movedim(0, dim)), dim
+
+
+def wrap_user_outputs(level, result, args, values, rule="the vmap rule", in_dims=None):
+    """Batched results of a user's vmap rule (`rule` names it in errors), given `in_dims`
+    (None: 0 for every batched argument) and `values`: `result` is its `(outputs, out_dims)`.
+    out_dims is checked as torch.func checks it (a prefix of the outputs' structure; ints or
+    None; in range), plus the size of the batch dim, which torch.func does not check (a
+    wrong size silently gives garbage there)."""
     base = (
-        "Expected the vmap staticmethod to have two returns, an output and out_dims with "
-        "pytree structure compatible with the output. "
+        f"functx.vmap: expected {rule} to have two returns, an output and out_dims with "
+        f"pytree structure compatible with the output. "
     )
     if not isinstance(result, tuple):
         raise RuntimeError(base + f"Got a {type(result)} instead")
     if len(result) != 2:
         raise RuntimeError(base + f"Got {len(result)} returns instead")
     outputs, out_dims = result
-    flat, spec = optree.tree_flatten(outputs)
-    if isinstance(out_dims, int) or out_dims is None:
-        flat_dims = [out_dims] * len(flat)
-    else:
-        flat_dims = optree.tree_flatten(out_dims, none_is_leaf=True)[0]
-        if len(flat_dims) != len(flat):
-            raise RuntimeError(
-                f"The autograd.Function's vmap staticmethod returned an incompatible (output, "
-                f"out_dims) tuple. Expected out_dims={out_dims} to be compatible with the "
-                f"structure of `output`. {_EXTENDING}"
-            )
+    # None is a leaf of both trees, as in torch's pytree: out_dims=(0, None) for (x, None)
+    flat, spec = optree.tree_flatten(outputs, none_is_leaf=True)
+    try:
+        dims_tree = optree.tree_broadcast_prefix(out_dims, outputs, none_is_leaf=True)
+    except ValueError:
+        raise RuntimeError(
+            f"functx.vmap: {rule} returned an incompatible (output, out_dims) tuple. Expected "
+            f"out_dims={out_dims} to be compatible with the structure of `output`. out_dims has "
+            f"structure {optree.tree_structure(out_dims, none_is_leaf=True)} but output has "
+            f"structure {spec}. {_EXTENDING}"
+        ) from None
+    flat_dims = optree.tree_leaves(dims_tree, none_is_leaf=True)
+    leaves = zip(optree.tree_leaves(args, none_is_leaf=True), optree.tree_leaves(values, none_is_leaf=True))
+    # an input returned with its own in_dim as out_dim: the input itself, as in torch.func
+    dims = optree.tree_leaves(in_dims, none_is_leaf=True) if in_dims is not None else None
+    originals = {
+        id(v): (a, 0 if dims is None else dims[i])
+        for i, (a, v) in enumerate(leaves)
+        if level.is_batched(a)
+    }
     wrapped = []
-    for out, dim in zip(flat, flat_dims):
-        if not isinstance(out, torch.Tensor) or dim is None:
+    for i, (out, dim) in enumerate(zip(flat, flat_dims)):
+        if not isinstance(out, torch.Tensor) or dim is None:  # None: the same for every sample
             wrapped.append(out)
             continue
-        original = next((a for a, v in zip(args, values) if v is out), None)
-        wrapped.append(original if original is not None and dim == 0 else level.wrap(out.movedim(dim, 0)))
+        dim = _check_out_dim(level, rule, out_dims, i, out, dim)
+        original, in_dim = originals.get(id(out), (None, None))
+        wrapped.append(original if dim == in_dim else level.wrap(out.movedim(dim, 0)))
     return optree.tree_unflatten(spec, wrapped)
 
 
+def _check_out_dim(level, rule, out_dims, i, out, dim) -> int:
+    """`dim` (the out_dim of output `i`, a tensor) as a non-negative int, or a clear error."""
+    what = f"functx.vmap: {rule} returned out_dims={out_dims!r}:"
+    try:
+        dim = operator.index(dim)  # ints, bools and integer tensors, as torch.func takes them
+    except TypeError:
+        raise TypeError(
+            f"{what} out_dim {dim!r} for output {i} is a {type(dim).__name__}; expected an int "
+            f"(where the output's batch dim is) or None (not batched). {_EXTENDING}"
+        ) from None
+    rank = out.dim()
+    if not -rank <= dim < rank:
+        raise IndexError(
+            f"{what} out_dim {dim} for output {i} is out of range for a tensor of "
+            f"{rank} dimensions (expected {-rank} <= out_dim < {rank}). {_EXTENDING}"
+        )
+    dim %= rank
+    if out.shape[dim] != level.batch_size:
+        raise RuntimeError(
+            f"{what} output {i} has size {out.shape[dim]} in its out_dim {dim}, but the batch "
+            f"size is {level.batch_size}. {_EXTENDING}"
+        )
+    return dim
+
+
 # -- old-style Functions: one call per batch element ----------------------------------
-_warned: set = set()
+_warned = weakref.WeakSet()  # the Functions warned about (not kept alive by it)
 
 
 def _per_sample(level, function, args, kwargs):
@@ -118,7 +212,7 @@ def _per_sample(level, function, args, kwargs):
         )
     results = []
     for b in range(level.batch_size):
-        sample = tuple(a._value[b] if level.is_batched(a) else a for a in args)
+        sample = optree.tree_map(lambda a: a._value[b] if level.is_batched(a) else a, args, none_is_leaf=True)
         results.append(function.apply(*sample, **kwargs))  # one level down
     first = results[0]
     if isinstance(first, torch.Tensor):
@@ -139,7 +233,6 @@ class _Spec(NamedTuple):
 
 
 _pending = threading.local()  # the spec of the generated Function being applied
-_generated: dict = {}
 
 
 class _CtxProxy:
@@ -194,12 +287,8 @@ class _SavedCtx(_CtxProxy):
 
 
 def _generated_rule_function(function):
-    """A Function that is `function` under vmap (cached per Function class); the in_dims
-    and batch size of the current application come in `_pending.spec`."""
-    try:
-        return _generated[function]
-    except KeyError:
-        pass
+    """A Function that is `function` under vmap; the in_dims and batch size of the current
+    application come in `_pending.spec`. Made once per Function class (`cached_on_class`)."""
     from .api import vmap
 
     def forward(*values):
@@ -224,14 +313,20 @@ def _generated_rule_function(function):
         spec = ctx._functx_spec
         grad_dims = tuple(None if g is None else 0 for g in grads)
 
-        def inner(saved, grads):
-            return user_backward(function)(_SavedCtx(ctx, saved), *grads)
+        is_none = []  # per input: whether the user's backward gave None (vmap needs tensors)
 
-        per_input = vmap(inner, in_dims=(ctx._functx_saved_dims, grad_dims), randomness=spec.randomness)(
-            tuple(ctx.saved_tensors), grads
+        def inner(saved, grads):
+            per_input = user_backward(function)(_SavedCtx(ctx, saved), *grads)
+            per_input = per_input if isinstance(per_input, tuple) else (per_input,)
+            is_none[:] = [g is None for g in per_input]
+            return tuple(g for g in per_input if g is not None)
+
+        tensors = iter(
+            vmap(inner, in_dims=(ctx._functx_saved_dims, grad_dims), randomness=spec.randomness)(
+                tuple(ctx.saved_tensors), grads
+            )
         )
-        if not isinstance(per_input, tuple):
-            per_input = (per_input,)
+        per_input = tuple(None if none else next(tensors) for none in is_none)
         # an unbatched input's gradient is the sum of its per-sample gradients
         return tuple(
             g.sum(0) if isinstance(g, torch.Tensor) and dim is None else g
@@ -258,22 +353,21 @@ def _generated_rule_function(function):
         "generate_vmap_rule": True,
         "__qualname__": name,
     }
-    generated = type(name, (torch.autograd.Function,), members)
-    _generated[function] = generated
-    return generated
+    return type(name, (torch.autograd.Function,), members)
 
 
 def _apply_generated_rule(level, function, args, kwargs):
-    in_dims = tuple(0 if level.is_batched(a) else None for a in args)
-    values = tuple(level.unwrap(a) for a in args)
-    generated = _generated_rule_function(function)
+    # batch dims first: these in_dims stay inside (the user's code runs under vmap), and
+    # the generated backward gives each input's gradient with its batch dim first
+    in_dims, values = in_dims_and_values(level, args)
+    generated = cached_on_class(function, "vmap", _generated_rule_function)
     previous = getattr(_pending, "spec", None)
     _pending.spec = _Spec(in_dims, level.batch_size, level.randomness)
     try:
         outputs = generated.apply(*values, **kwargs)  # one level down (maybe another transform)
     finally:
         _pending.spec = previous
-    return wrap_user_outputs(level, (outputs, 0), args, values)
+    return wrap_user_outputs(level, (outputs, 0), args, values, f"the generated vmap rule of {function.__name__}")
 
 
 register_level_rule(VmapInterpreter, apply_at_vmap_level)

@@ -22,9 +22,15 @@ def _is_write(argument) -> bool:
     return info is not None and info.is_write
 
 
-def loop_fallback(op):
+def loop_fallback(op, warning=None):
+    """The per-sample loop for `op`; `warning` replaces the default performance warning (for
+    ops that run this loop as their rule because no vectorized form exists)."""
     schema = op._schema
     name = op_name(op)
+    warning = warning or (
+        f"functx.vmap: there is no batching rule for {name}; running it once per "
+        f"batch element, which is slow. Please file an issue naming this op."
+    )
     mutated = [i for i, a in enumerate(schema.arguments) if _is_write(a) and not a.kwarg_only]
     writes_out = any(_is_write(a) and a.kwarg_only for a in schema.arguments)
     returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
@@ -49,12 +55,7 @@ def loop_fallback(op):
             refuse("it returns a view")
         if config.fallback == "warn" and op not in _warned:
             _warned.add(op)
-            warnings.warn(
-                f"functx.vmap: there is no batching rule for {name}; running it once per "
-                f"batch element, which is slow. Please file an issue naming this op.",
-                PerformanceWarning,
-                stacklevel=2,
-            )
+            warnings.warn(warning, PerformanceWarning, stacklevel=2)
         for i in mutated:
             if not interp.is_batched(args[i]):
                 raise_unbatched_inplace(op, args[i])
@@ -84,7 +85,31 @@ def _select_kw(interp, kwargs, b):
     return {k: _select_one(interp, v, b) for k, v in kwargs.items()}
 
 
+def _check_same_shapes(results, name):
+    """The elements' results stack into one batched tensor only when their shapes agree;
+    where they do not, the op's output shape depends on the values (nonzero, bincount)."""
+    shapes = [_shapes_of(r) for r in results]
+    for shape in shapes[1:]:
+        if shape != shapes[0]:
+            raise RuntimeError(
+                f"vmap: {name} returns a tensor whose shape depends on the values of its input, "
+                f"and the per-sample shapes differ between batch elements ({shapes[0]} and {shape}), "
+                f"so they cannot be stacked into one batched result. Use a fixed-shape formulation "
+                f"instead, e.g. torch.where(mask, x, 0) instead of x[mask], nonzero_static(size=...) "
+                f"instead of nonzero, bincount(minlength=...)."
+            )
+
+
+def _shapes_of(result):
+    if isinstance(result, torch.Tensor):
+        return tuple(result.shape)
+    if type(result) is tuple or type(result) is list:
+        return tuple(_shapes_of(r) for r in result)
+    return None
+
+
 def _stack_results(interp, results, name):
+    _check_same_shapes(results, name)
     first = results[0]
     if first is None and all(r is None for r in results):
         return None  # ops that only check their inputs (e.g. _linalg_check_errors)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..core.level_tensor import LevelTensor
+from ..core.level_tensor import LevelTensor, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 
 RANDOMNESS_MODES = ("error", "different", "same")
@@ -130,12 +130,28 @@ def _handle_random(interp, func, kind, args, kwargs):
             return interp.wrap(torch.stack([func(*args, **kwargs) for _ in range(batch)]))
         size, rebuild = _size_of_factory(func, args, kwargs)
         return interp.wrap(rebuild((batch, *size)))
-    # a random function of tensors that are not batched here: expand them, then draw
-    expanded = [a.expand(batch, *a.shape) if isinstance(a, torch.Tensor) else a for a in args]
-    expanded_kw = {k: v.expand(batch, *v.shape) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    # A random function of tensors that are not batched here: batch them (every element
+    # holds the same value), then call it again, so that the batching rules draw per element.
+    # Calling it on the expanded plain values instead would be wrong for ops that read the
+    # rank: dropout2d/3d would draw one mask per (element, sample) pair instead of per
+    # channel, or repeat it; multinomial refuses 3-D probabilities.
     if kind == "dropout" and (kwargs.get("inplace") or (len(args) > 3 and args[3])):
         raise inplace_different_error()
-    return interp.wrap(func(*expanded, **expanded_kw))
+    lifted = [_batch_here(interp, a) if isinstance(a, torch.Tensor) else a for a in args]
+    lifted_kw = {k: _batch_here(interp, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return func(*lifted, **lifted_kw)
+
+
+def _batch_here(interp, t):
+    """`t`, not batched at this level, as a BatchedTensor of this level with the same value
+    for every element. A higher level's wrapper (a grad level inside this vmap) must stay
+    above the batch dim, so the batch enters through an op that dispatches through it (a
+    product with ones, exact for every value)."""
+    batch = interp.batch_size
+    if level_of(t) < interp.level:
+        return interp.wrap(t.expand(batch, *t.shape))
+    ones = interp.wrap(torch.ones((), dtype=t.dtype, device=t.device).expand(batch))
+    return t * ones
 
 
 def _is_batched_integer_scalar(index) -> bool:

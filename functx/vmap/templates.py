@@ -16,6 +16,8 @@ The templates:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch._prims  # noqa: F401  (is_elementwise_prim reads its factories)
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -393,7 +395,7 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
                 if value is None:  # `int? dim=None`: the op works on the flattened tensor
                     if type(args[0]) is list:
                         continue
-                    args[0] = args[0].reshape(args[0].shape[0], -1)
+                    args[0] = args[0].reshape(args[0].shape[0], math.prod(args[0].shape[1:]))
                     new = 1
                     kd = _keepdim_value(args, kwargs, keepdim)
                     flatten_then_keep = rank if kd else None

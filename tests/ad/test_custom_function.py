@@ -213,3 +213,65 @@ def test_non_tensor_output():
     torch.testing.assert_close(functx.vmap(functx.grad(f))(x), torch.full_like(x, 35.0))
     torch.testing.assert_close(functx.grad(lambda v: functx.vmap(f)(v).sum())(x), torch.full_like(x, 35.0))
     torch.testing.assert_close(functx.vmap(lambda v: WithPythonOutput.apply(v)[0])(x), 2 * x)
+
+
+class _ScaleContainer(torch.autograd.Function):
+    """Takes a container holding tensors a and b (a list, or a dict of a tuple), and a tensor
+    w: torch's autograd differentiates only the tensor argument (with the custom
+    derivatives, 100 times the true ones); tensors in the container get no derivative
+    through the Function, under torch.func too."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(ab, w):
+        a, b = ab if isinstance(ab, list) else ab["ab"]
+        return a * b * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ab = inputs[0]
+        ctx.save_for_backward(*(ab if isinstance(ab, list) else ab["ab"]))
+        ctx.save_for_forward(*(ab if isinstance(ab, list) else ab["ab"]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return None, 100 * grad * a * b
+
+    @staticmethod
+    def jvp(ctx, _, tangent_w):
+        a, b = ctx.saved_tensors
+        return 100 * tangent_w * a * b
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+@pytest.mark.parametrize("argnum", [0, 2])
+@pytest.mark.parametrize("name", ["grad", "vjp", "jacrev", "jacfwd", "hessian", "vmap-grad", "grad-vmap", "jvp"])
+def test_tensors_inside_containers_match_torch_func(name, argnum, container):
+    """`F.apply([a, b], w)` under every transform, differentiated w.r.t. `a` (only inside
+    the container: no derivative through the Function) or `w` (the custom one)."""
+    a, w = x_and_w(4)
+    b = a.flip(0) + 1
+    pack = (lambda a, b: [a, b]) if container == "list" else (lambda a, b: {"ab": (a, b)})
+
+    def fs(api):
+        f = lambda a, b, w: _ScaleContainer.apply(pack(a, b), w)  # noqa: E731
+        total = lambda a, b, w: (f(a, b, w) ** 2).sum()  # noqa: E731
+        one_arg = lambda v: f(v, b, w) if argnum == 0 else f(a, b, v)  # noqa: E731
+        return {
+            "grad": lambda: api.grad(total, argnums=argnum)(a, b, w),
+            "vjp": lambda: api.vjp(one_arg, (a, b, w)[argnum])[1](torch.ones_like(a)),
+            "jacrev": lambda: api.jacrev(f, argnums=argnum)(a, b, w),
+            "jacfwd": lambda: api.jacfwd(f, argnums=argnum)(a, b, w),
+            "hessian": lambda: api.hessian(total, argnums=argnum)(a, b, w),
+            "vmap-grad": lambda: api.vmap(api.grad(total, argnums=argnum))(a, b, w),
+            "grad-vmap": lambda: api.grad(lambda a, b, w: api.vmap(f)(a, b, w).sum(), argnums=argnum)(a, b, w),
+            "jvp": lambda: api.jvp(one_arg, ((a, b, w)[argnum],), (torch.ones_like(a),)),
+        }[name]
+
+    expected = fs(tf)()
+    torch.testing.assert_close(fs(functx)(), expected)
+    if name == "grad":  # and the closed forms
+        closed = torch.zeros_like(a) if argnum == 0 else 200 * a * b * (a * b * w)
+        torch.testing.assert_close(expected, closed)

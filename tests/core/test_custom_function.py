@@ -2,7 +2,10 @@
 behaviour is untouched with no transform running, early-bound `F.apply` works, other
 threads are unaffected, and errors leave the stack as it was."""
 
+import gc
 import threading
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -111,3 +114,139 @@ def test_errors_inside_a_function_leave_the_stack_as_it_was():
         functx.grad(lambda v: functx.vmap(Boom.apply)(v).sum())(x)
     assert current_stack() == ()
     torch.testing.assert_close(functx.vmap(Boom.apply)(x), 2 * x)
+
+
+def _function_defined_per_call(kind):
+    """A new Function class on every call, as code that defines one inside a function makes."""
+    if kind == "old-style":
+
+        class OldCube(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x**3
+
+            @staticmethod
+            def backward(ctx, grad):
+                (x,) = ctx.saved_tensors
+                return 3 * x**2 * grad
+
+        return OldCube
+
+    class LocalCube(torch.autograd.Function):
+        generate_vmap_rule = kind == "generate_vmap_rule"
+
+        @staticmethod
+        def forward(x):
+            return x**3
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+            ctx.save_for_forward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * grad
+
+        @staticmethod
+        def jvp(ctx, tangent):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * tangent
+
+    if kind == "vmap staticmethod":
+
+        def vmap(info, in_dims, x):
+            return LocalCube.apply(x), in_dims[0]
+
+        LocalCube.vmap = staticmethod(vmap)
+    return LocalCube
+
+
+@pytest.mark.parametrize("kind", ["generate_vmap_rule", "vmap staticmethod", "old-style"])
+def test_functions_defined_per_call_are_not_kept_alive(kind):
+    """functx's per-class caches (signature, generated vmap rule, single-level Function, the
+    once-per-Function warning) must not keep a Function class alive after its last use."""
+    x = torch.randn(3, 2, dtype=D)
+
+    def use_once():
+        F = _function_defined_per_call(kind)
+        f = lambda v: F.apply(v).sum()  # noqa: E731
+        expected_grad = 3 * x**2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", functx.PerformanceWarning)  # old-style under vmap
+            torch.testing.assert_close(functx.vmap(F.apply)(x), x**3)
+            torch.testing.assert_close(functx.grad(f)(x[0]), expected_grad[0])
+            torch.testing.assert_close(functx.vmap(functx.grad(f))(x), expected_grad)
+            torch.testing.assert_close(functx.grad(lambda v: functx.vmap(F.apply)(v).sum())(x), expected_grad)
+            torch.testing.assert_close(functx.vjp(F.apply, x)[1](torch.ones_like(x))[0], expected_grad)
+            torch.testing.assert_close(functx.jacrev(F.apply)(x[0]), torch.diag(expected_grad[0]))
+            if kind != "old-style":  # no jvp staticmethod
+                torch.testing.assert_close(functx.jvp(F.apply, (x,), (torch.ones_like(x),))[1], expected_grad)
+                torch.testing.assert_close(functx.jacfwd(F.apply)(x[0]), torch.diag(expected_grad[0]))
+                torch.testing.assert_close(functx.hessian(f)(x[0]), torch.diag(6 * x[0]))
+                torch.testing.assert_close(
+                    functx.vmap(functx.jvp, in_dims=(None, 0, 0))(F.apply, (x,), (torch.ones_like(x),))[1],
+                    expected_grad,
+                )
+        return weakref.ref(F)
+
+    refs = [use_once() for _ in range(3)]
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+
+
+def test_outputs_keep_their_function_alive_until_backward():
+    """The other side of not caching Functions for good: a graph made under a transform from
+    a Function defined per call still finds the Function's backward later."""
+
+    def forward_only(x):
+        return functx.vmap(_function_defined_per_call("generate_vmap_rule").apply)(x).sum()
+
+    x = torch.randn(3, 2, dtype=D, requires_grad=True)
+    y = forward_only(x)
+    gc.collect()
+    (g,) = torch.autograd.grad(y, x)
+    torch.testing.assert_close(g, 3 * x.detach() ** 2)
+
+
+def test_a_subclass_does_not_use_its_parents_cached_rules():
+    """The caches live in each class's own __dict__: a subclass overriding forward and
+    backward is batched and differentiated with its own."""
+
+    class Square(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x**2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * ctx.saved_tensors[0] * grad
+
+    class Cubed(Square):
+        @staticmethod
+        def forward(x):
+            return x**3
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 3 * ctx.saved_tensors[0] ** 2 * grad
+
+    x = torch.randn(4, 3, dtype=D)
+    for F, power in ((Square, 2), (Cubed, 3), (Square, 2)):
+        torch.testing.assert_close(functx.vmap(F.apply)(x), x**power)
+        torch.testing.assert_close(functx.vmap(functx.grad(lambda v: F.apply(v).sum()))(x), power * x ** (power - 1))
+        torch.testing.assert_close(functx.grad(lambda v: functx.vmap(F.apply)(v).sum())(x), power * x ** (power - 1))
+
+
+def test_apply_keeps_its_name():
+    """Error messages and wrappers name it as they name torch's own: `vmap(apply, ...)`."""
+    assert functx.vmap(Cube.apply).__name__ == Cube.apply.__name__ == "apply"
+    assert Cube.apply.__qualname__ == "Function.apply"

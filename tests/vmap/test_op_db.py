@@ -58,6 +58,18 @@ NOT_VECTORIZED = {
     "nn.functional.embedding_bag": "indexing: aten::_embedding_bag_forward_only has no rule yet",
     "grid_sampler_3d": "nn_pooling: aten::grid_sampler_3d has no rule yet",
 }
+# Output shape from values: run once per element, stacked when the shapes agree (as torch.func).
+_PER_SAMPLE = "data-dependent output shape: runs per sample, stacked where the shapes agree"
+NOT_VECTORIZED.update(
+    {
+        "nonzero": f"aten::nonzero: {_PER_SAMPLE}",
+        "argwhere": f"aten::nonzero: {_PER_SAMPLE}",
+        "unique": f"aten::_unique2: {_PER_SAMPLE}",
+        "unique_consecutive": f"aten::unique_consecutive: {_PER_SAMPLE}",
+        "masked_select": f"aten::masked_select with a batched mask: {_PER_SAMPLE}",
+        "repeat_interleave": f"aten::repeat_interleave.Tensor: {_PER_SAMPLE}",
+    }
+)
 
 # Ops that must raise vmap's clear data-dependent RuntimeError for some samples (Python
 # values or output shapes that depend on tensor values); anything else raising it fails.
@@ -74,8 +86,8 @@ DATA_DEPENDENT = {
     "cov": "checks that fweights are integral with torch.equal (a Python bool)",
     "narrow": "with a tensor `start`, the start is read as a Python int",
     "nn.functional.ctc_loss": (
-        "aten::_ctc_loss is tagged dynamic_output_shape (log_alpha's size depends on the max target "
-        "length); the data-dependent template refuses it even with unbatched lengths"
+        "batched target lengths whose maximum differs between elements: log_alpha's width "
+        "(2 * max target length + 1) differs per sample (unbatched or equal-max lengths fold into N)"
     ),
     "nn.functional.gaussian_nll_loss": "validates `var` with Python control flow on values",
 }

@@ -1,7 +1,10 @@
 """Batching rules written by users for their own operators (`torch.library.custom_op` or
 any op outside aten/prims), in torch.library's form: `rule(info, in_dims, *args, **kwargs)`
 returns `(output, out_dims)`, where `info` is a `VmapInfo(batch_size, randomness)` and
-`in_dims` holds 0 for each argument batched at this level, None otherwise. They come from
+`in_dims` has one entry per argument, as torch.func gives them: a list for a list of tensors
+(`[1, None]`), None for what is not batched at this level, else where the batch dim of the
+physical value is: 0, or vmap's in_dim for a tensor passed to vmap as is (as an
+autograd.Function's vmap staticmethod gets them: custom_function.py). They come from
 `functx.library.register_vmap` or, for custom ops, from `torch.library.register_vmap`.
 """
 
@@ -11,7 +14,7 @@ import torch
 
 from ...core.rules import decomposition_for
 from ..batched_tensor import VMAP_RULES
-from ..custom_function import VmapInfo, wrap_user_outputs
+from ..custom_function import VmapInfo, in_dims_and_values, wrap_user_outputs
 from ..fallback import loop_fallback
 
 REGISTERED: dict = {}  # OpOverload -> rule, from functx.library.register_vmap
@@ -21,10 +24,9 @@ def user_rule(func):
     """A batching rule (functx's form) running a user's rule (torch.library's form)."""
 
     def rule(interp, *args, **kwargs):
-        in_dims = tuple(0 if interp.is_batched(a) else None for a in args)
-        values = tuple(interp.unwrap(a) for a in args)
+        in_dims, values = in_dims_and_values(interp, args, user_dims=True)
         result = func(VmapInfo(interp.batch_size, interp.randomness), in_dims, *values, **kwargs)
-        return wrap_user_outputs(interp, result, args, values)
+        return wrap_user_outputs(interp, result, args, values, in_dims=in_dims)
 
     return rule
 

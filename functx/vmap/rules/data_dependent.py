@@ -1,11 +1,19 @@
-"""Ops whose result depends on tensor *values* in Python (`.item()`, `bool(x)`) or whose
-output shape does (`nonzero`, `unique`, `masked_select`) cannot be vectorized: raise an
-error that says so and points to `torch.where`."""
+"""Ops whose result depends on tensor *values* in Python (`.item()`, `bool(x)`) cannot run
+under vmap: raise an error that says so and points to `torch.where`.
+
+Ops whose output *shape* depends on the values (`nonzero`, `bincount`, `unique`,
+`masked_select` with a batched mask) cannot be vectorized, but each batch element's result
+is well defined: run them once per element and stack the results when their shapes agree
+(torch.func does the same); when they differ, the per-sample loop raises an error saying so.
+"""
+
+import math
 
 import torch
 
 from ...core.errors import op_name
 from ..batched_tensor import VMAP_RULES
+from ..fallback import loop_fallback
 from ..templates import pad_to_rank
 
 aten = torch.ops.aten
@@ -34,26 +42,43 @@ def _data_dependent_rule(op):
     return rule
 
 
-def _is_data_dependent(op) -> bool:
-    tags = op.tags
-    return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+def _writes_out(op) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def _per_sample_rule(op):
+    """A dynamic-output-shape op: the per-sample loop, which stacks equal shapes and
+    raises for different ones. Its out= variant (one buffer for all elements) raises."""
+    if _writes_out(op):
+        return _data_dependent_rule(op)
+    return loop_fallback(
+        op,
+        warning=(
+            f"functx.vmap: the output shape of {op_name(op)} depends on the values of its input, "
+            f"so it runs once per batch element (slow) and the results are stacked when their "
+            f"shapes agree. A fixed-shape formulation (torch.where, nonzero_static, "
+            f"bincount(minlength=...)) vectorizes."
+        ),
+    )
 
 
 for _op in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.item.default):
     VMAP_RULES.set(_op, _data_dependent_rule(_op))
-VMAP_RULES.add_template(_is_data_dependent, _data_dependent_rule)
+VMAP_RULES.add_template(lambda op: torch.Tag.data_dependent_output in op.tags, _data_dependent_rule)
+VMAP_RULES.add_template(lambda op: torch.Tag.dynamic_output_shape in op.tags, _per_sample_rule)
 
 
 def _masked_select(interp, x, mask):
     """With an unbatched mask every element selects the same positions, so the result has
     one shape (torch.combinations builds such a mask): one boolean index over dims 1..n."""
     if interp.is_batched(mask):
-        return _data_dependent_rule(aten.masked_select.default)(interp, x, mask)
+        return _masked_select_per_sample(interp, x, mask)
     shape = torch.broadcast_shapes(x.shape, mask.shape)
     value = pad_to_rank(x._value, x.dim(), len(shape)).expand(interp.batch_size, *shape)
     return interp.wrap(value[:, mask.expand(shape)])
 
 
+_masked_select_per_sample = _per_sample_rule(aten.masked_select.default)
 VMAP_RULES.set(aten.masked_select.default, _masked_select)
 
 
@@ -63,7 +88,7 @@ def _nonzero_static(interp, x, *, size, fill_value=-1):
     sort puts each element's nonzero positions first, in order; rows past its count are
     `fill_value`."""
     batch, shape = interp.batch_size, x.shape
-    nonzero = (x._value != 0).reshape(batch, -1)
+    nonzero = (x._value != 0).reshape(batch, math.prod(shape))
     order = torch.argsort((~nonzero).to(torch.int8), dim=1, stable=True)[:, :size]
     if order.shape[1] < size:
         order = torch.cat([order, order.new_zeros(batch, size - order.shape[1])], dim=1)

@@ -267,7 +267,7 @@ def _index_as_scatter_index(index: Tensor, like: Tensor, dim: int) -> Tensor:
     """A batched 1-D (or 0-dim) index along physical `dim`, (B, n), as a gather/scatter index
     shaped like `like` (B, ..., n, ...): one entry per element, as those ops want."""
     batch = index.shape[0]
-    index = index.reshape(batch, -1).long()
+    index = index.reshape(batch, math.prod(index.shape[1:])).long()
     shape = [batch] + [1] * (like.dim() - 1)
     shape[dim] = index.shape[1]
     target = list(like.shape)
@@ -290,7 +290,7 @@ def _index_select(interp, self, dim, index):
         # A shared table, batched indices: one index_select with the batch folded into n.
         table = self.unsqueeze(0) if self.dim() == 0 else self
         flat = aten.index_select(table, pdim - 1, index._value.reshape(-1))
-        out = flat.unflatten(pdim - 1, (interp.batch_size, -1)).movedim(pdim - 1, 0)
+        out = flat.unflatten(pdim - 1, (interp.batch_size, math.prod(index.shape))).movedim(pdim - 1, 0)
     else:
         out = aten.gather(value, pdim, _index_as_scatter_index(index._value, value, pdim))
     return interp.wrap(out.squeeze(1) if self.dim() == 0 else out)
@@ -439,11 +439,13 @@ def _broadcast_physical(interp, *tensors):
 def _masked_scatter_values(interp, self, mask, source):
     """masked_scatter as fixed-shape ops: the running count of True entries says which
     source element each position takes (cumsum), a gather fetches it, `where` places it."""
+    if mask.dtype is not torch.bool:  # as torch checks (its meta kernel does not)
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype {mask.dtype}")
     target, mask_value = _broadcast_physical(interp, self, mask)
     batch = interp.batch_size
-    flat_mask = mask_value.reshape(batch, -1)
+    flat_mask = mask_value.reshape(batch, math.prod(mask_value.shape[1:]))
     order = (flat_mask.cumsum(1) - 1).clamp(min=0)
-    flat_source = materialize(interp, source).reshape(batch, -1)
+    flat_source = materialize(interp, source).reshape(batch, math.prod(source.shape))
     if flat_source.shape[1] == 0:
         flat_source = flat_source.new_zeros(batch, 1)  # nothing to take: mask must be all False
     taken = flat_source.gather(1, order).view(target.shape)
@@ -469,9 +471,9 @@ def _masked_scatter_backward(interp, grad_output, mask, sizes):
     is scattered to its running count; unselected ones to a spare column dropped after."""
     grad, mask_value = _broadcast_physical(interp, grad_output, mask)
     batch, numel = interp.batch_size, math.prod(sizes)
-    flat_mask = mask_value.reshape(batch, -1)
+    flat_mask = mask_value.reshape(batch, math.prod(mask_value.shape[1:]))
     column = torch.where(flat_mask, flat_mask.cumsum(1) - 1, numel)
-    out = grad.new_zeros(batch, numel + 1).scatter(1, column, grad.reshape(batch, -1))
+    out = grad.new_zeros(batch, numel + 1).scatter(1, column, grad.reshape(batch, math.prod(grad.shape[1:])))
     return interp.wrap(out[:, :numel].reshape(batch, *sizes))
 
 
@@ -511,13 +513,13 @@ def _embedding_dense_backward(interp, grad_output, indices, num_weights, padding
     if not interp.is_batched(indices):
         # Shared indices: fold the batch into the embedding dim, (*, B * D).
         grad = grad_output._value.movedim(0, -2)
-        grad = grad.reshape(*grad.shape[:-2], -1)
+        grad = grad.reshape(*grad.shape[:-2], batch * grad_output.shape[-1])
         out = aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-        return interp.wrap(out.view(num_weights, batch, -1).movedim(1, 0))
+        return interp.wrap(out.view(num_weights, batch, grad_output.shape[-1]).movedim(1, 0))
     grad = materialize(interp, grad_output)
     stacked = _offset_indices(interp, indices, num_weights)
     out = aten.embedding_dense_backward(grad, stacked, batch * num_weights, -1, scale_grad_by_freq)
-    out = out.view(batch, num_weights, -1)
+    out = out.view(batch, num_weights, grad_output.shape[-1])
     if padding_idx >= 0:
         out = out.index_fill(1, torch.tensor([padding_idx], device=out.device), 0)
     return interp.wrap(out)
@@ -537,7 +539,7 @@ def _embedding_renorm_(interp, weight, indices, max_norm, norm_type):
         return aten.embedding_renorm_(weight, indices._value.reshape(-1), max_norm, norm_type)
     table = weight._value
     batch = interp.batch_size
-    flat = materialize(interp, indices).reshape(batch, -1).long()
+    flat = materialize(interp, indices).reshape(batch, math.prod(indices.shape)).long()
     referenced = torch.zeros(table.shape[:2], dtype=torch.bool, device=table.device)
     referenced = referenced.scatter(1, flat, True)
     norms = torch.linalg.vector_norm(table, norm_type, dim=-1)

@@ -87,12 +87,12 @@ def _convolution_rule(op):
         bias_batched = interp.is_batched(bias)
         shared_bias = None if bias_batched else bias
         if input_batched:  # B into N
-            out = conv(input._value.flatten(0, 1), weight, shared_bias, groups).unflatten(0, (batch, -1))
+            out = conv(input._value.flatten(0, 1), weight, shared_bias, groups).unflatten(0, (batch, input.shape[0]))
         else:  # only the bias is batched
             out = conv(input, weight, None, groups)
         if bias_batched:  # (B, O) added along the channel dim of (B, N, O, *s)
             spatial = weight.dim() - 2
-            out = out + bias._value.view(batch, 1, -1, *(1,) * spatial)
+            out = out + bias._value.view(batch, 1, bias.shape[0], *(1,) * spatial)
         return interp.wrap(out)
 
     rule.__name__ = f"batch_{op.__name__}"
@@ -157,7 +157,7 @@ def _convolution_backward(
     if any(folded):  # grad_input only: grad_output batched, weight shared
         go = grad_output._value.flatten(0, 1)
         x = materialize(interp, input).flatten(0, 1)  # only its shape matters
-        results[0] = backward(go, x, weight, None, groups, folded)[0].unflatten(0, (batch, -1))
+        results[0] = backward(go, x, weight, None, groups, folded)[0].unflatten(0, (batch, input.shape[0]))
     if any(plain):  # results whose inputs are all unbatched; the batched ones give only shapes
         go, x, w = (t._value.select(0, 0) if interp.is_batched(t) else t for t in (grad_output, input, weight))
         out = backward(go, x, w, bias_sizes, groups, plain)

@@ -8,13 +8,16 @@ probability targets and label smoothing are composite ops); F.mse_loss, smooth_l
 huber_loss, soft_margin_loss, binary_cross_entropy(_with_logits) arrive as themselves;
 F.l1_loss, kl_div, hinge_embedding, margin_ranking, cosine_embedding, poisson/gaussian nll
 and triplet losses are composite (pointwise + reductions), so they need no rule here.
+F.ctc_loss -> _ctc_loss (+ composite reductions); its rule is at the end.
 """
 
 import math
 
 import torch
 
+from ...core.level_tensor import LevelTensor
 from ..batched_tensor import VMAP_RULES
+from ..fallback import loop_fallback
 from ..templates import materialize, pad_to_rank
 
 aten = torch.ops.aten
@@ -168,7 +171,7 @@ def _rows_of(interp, self, t, keep_cols):
     value = materialize(interp, t)
     if self.dim() == 2:
         return value.flatten(0, 1)
-    return value.reshape(interp.batch_size, -1) if keep_cols else value.reshape(interp.batch_size)
+    return value.reshape(interp.batch_size, math.prod(t.shape)) if keep_cols else value.reshape(interp.batch_size)
 
 
 def _unrow(interp, self, t, shape):
@@ -232,3 +235,88 @@ def _multilabel_margin_loss_backward(interp, grad_output, self, target, reductio
     x, t, is_t = (_rows_of(interp, self, v, True) for v in (self, target, is_target))
     out = aten.multilabel_margin_loss_backward.default(grad, x, t, NONE, is_t)
     return interp.wrap(_unrow(interp, self, out, self.shape))
+
+
+# -- connectionist temporal classification -------------------------------------------------
+# aten._ctc_loss(log_probs (T, N, C), targets, input_lengths, target_lengths, blank,
+# zero_infinity) -> (neg_log_likelihood (N,), log_alpha (N, T, 2 * max(target_lengths) + 1)),
+# with targets padded (N, S) or concatenated (sum(target_lengths),); F.ctc_loss reduces
+# outside (composite ops). The N sequences are independent, so B folds into N. Folding
+# gives every element the log_alpha width of the longest target in the whole batch: that is
+# each element's own width only when the longest target is as long in every element
+# (always with unbatched lengths); otherwise the elements' log_alphas differ in shape.
+def _ctc_widths_agree(interp, target_lengths):
+    """Is the longest target as long in every batch element? True or False, read from batched
+    plain lengths (the kernel reads them too); None for the values of a level below (a
+    nested vmap), which cannot be read here."""
+    if not interp.is_batched(target_lengths) or target_lengths.numel() == 0 or interp.batch_size == 0:
+        return True
+    value = target_lengths._value
+    if isinstance(value, LevelTensor):
+        return None
+    longest = value.reshape(interp.batch_size, -1).amax(1)
+    return bool((longest == longest[0]).all())
+
+
+def _ctc_fold(interp, log_probs, targets, input_lengths, target_lengths):
+    """The kernel's arguments with the B*N sequences as one batch: log_probs (T, B*N, C),
+    targets (B*N, S) or (B*L,) (each element's concatenation in turn, so the offsets from the
+    folded lengths stay right), lengths (B*N,) (int lists repeated)."""
+    batch = interp.batch_size
+    lp = materialize(interp, log_probs).movedim(0, 1).flatten(1, 2)
+    tg = materialize(interp, targets).flatten(0, 1)
+    il, tl = (
+        list(n) * batch if isinstance(n, (list, tuple)) else materialize(interp, n).reshape(-1)
+        for n in (input_lengths, target_lengths)
+    )
+    return lp, tg, il, tl
+
+
+def _ctc_rule(op, fold):
+    """Fold when the widths agree; raise when they differ; run the per-sample loop (which
+    stacks equal shapes, or raises) when the lengths cannot be read at this level."""
+    name = op._schema.name
+    per_sample = loop_fallback(
+        op,
+        warning=(
+            f"functx.vmap: {name} with target lengths batched at an outer vmap level runs once "
+            f"per batch element (slow): its log_alpha is as wide as the longest target."
+        ),
+    )
+
+    def rule(interp, *args, **kwargs):
+        agree = _ctc_widths_agree(interp, args[4 if op in _CTC_BACKWARD else 3])
+        if agree is None:
+            return per_sample(interp, *args, **kwargs)
+        if not agree:
+            raise RuntimeError(
+                f"vmap: {name} with a longest target that differs between batch elements: "
+                f"log_alpha's shape depends on the values of target_lengths, (N, T, 2 * "
+                f"max(target_lengths) + 1), so the per-sample shapes differ and cannot be stacked. "
+                f"Pass target_lengths unbatched, or give every batch element the same longest target."
+            )
+        return fold(op, interp, *args, **kwargs)
+
+    return rule
+
+
+def _ctc_loss_folded(op, interp, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    batch, n = interp.batch_size, log_probs.shape[1]
+    nll, log_alpha = op(*_ctc_fold(interp, log_probs, targets, input_lengths, target_lengths), blank, zero_infinity)
+    return interp.wrap(nll.unflatten(0, (batch, n))), interp.wrap(log_alpha.unflatten(0, (batch, n)))
+
+
+def _ctc_loss_backward_folded(
+    op, interp, grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank, zero_infinity=False
+):
+    lp, tg, il, tl = _ctc_fold(interp, log_probs, targets, input_lengths, target_lengths)
+    grad, nll, log_alpha = (materialize(interp, t).flatten(0, 1) for t in (grad, nll, log_alpha))
+    out = op(grad, lp, tg, il, tl, nll, log_alpha, blank, zero_infinity)  # (T, B*N, C)
+    return interp.wrap(out.unflatten(1, (interp.batch_size, log_probs.shape[1])).movedim(1, 0))
+
+
+_CTC_BACKWARD = (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+for _op in (aten._ctc_loss.default, aten._ctc_loss.Tensor):
+    VMAP_RULES.set(_op, _ctc_rule(_op, _ctc_loss_folded))
+for _op in _CTC_BACKWARD:
+    VMAP_RULES.set(_op, _ctc_rule(_op, _ctc_loss_backward_folded))

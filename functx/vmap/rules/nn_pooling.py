@@ -30,11 +30,11 @@ def _check_rank(op, rank, feature_rank, n_required):
         raise RuntimeError(f"{op_name(op)}: expected a {expected} input (N, C, ...), but got a {rank}D one")
 
 
-def _unfold(interp, out, batch):
+def _unfold(interp, out, batch, n):
     """Wrap an op's result, splitting a folded leading B*N back into (B, N)."""
 
     def one(t):
-        return interp.wrap(t.unflatten(0, (batch, -1))) if isinstance(t, torch.Tensor) else t
+        return interp.wrap(t.unflatten(0, (batch, n))) if isinstance(t, torch.Tensor) else t
 
     if isinstance(out, torch.Tensor):
         return one(out)
@@ -52,7 +52,7 @@ def _fold_call(interp, op, args, kwargs, samples, feature_rank, n_required, fold
     """Run `op` once with B folded into N in the tensor arguments at `samples` (all laid
     out like the sample: (N, C, ...) or (C, ...)); unbatched ones are expanded first.
     Arguments at `fold_always` have a leading N even for a single sample (it is 1)."""
-    rank = args[samples[0]].dim()
+    rank, n = args[samples[0]].dim(), args[samples[0]].shape[0]
     _check_rank(op, rank, feature_rank, n_required)
     args = list(args)
     has_n = rank == feature_rank + 1
@@ -61,7 +61,7 @@ def _fold_call(interp, op, args, kwargs, samples, feature_rank, n_required, fold
     for i in fold_always:
         args[i] = _dense(interp, args[i]).flatten(0, 1)
     out = op(*args, **kwargs)
-    return _unfold(interp, out, interp.batch_size) if has_n else interp.wrap_all(out)
+    return _unfold(interp, out, interp.batch_size, n) if has_n else interp.wrap_all(out)
 
 
 def fold_rule(op, *, feature_rank, samples=(0,), n_required=False):
@@ -161,8 +161,9 @@ def _upsample_backward_rule(op):
     def rule(interp, grad_output, output_size, input_size, *args, **kwargs):
         _check_rank(op, grad_output.dim(), len(input_size) - 1, True)
         folded = grad_output._value.flatten(0, 1)
-        input_size = [interp.batch_size * input_size[0], *input_size[1:]]
-        return _unfold(interp, op(folded, output_size, input_size, *args, **kwargs), interp.batch_size)
+        n = input_size[0]
+        input_size = [interp.batch_size * n, *input_size[1:]]
+        return _unfold(interp, op(folded, output_size, input_size, *args, **kwargs), interp.batch_size, n)
 
     rule.__name__ = f"fold_{op.__name__}"
     return rule

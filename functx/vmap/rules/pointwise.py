@@ -10,6 +10,7 @@ from ..templates import (
     is_inplace_with_functional,
     is_pointwise,
     logical_memory_format,
+    materialize,
     pad_to_rank,
     pointwise_rule,
     prim_elementwise_rule,
@@ -38,9 +39,7 @@ for _op in (
     aten.empty_like.default,
     aten.full_like.default,
     aten.fill.Scalar,
-    aten.fill.Tensor,
     aten.fill_.Scalar,
-    aten.fill_.Tensor,
     aten.zero_.default,
     aten.zero.default,
     aten.copy_.default,
@@ -139,6 +138,28 @@ for _op in (aten.masked_fill.Tensor, aten.masked_fill_.Tensor):
     VMAP_RULES.set(_op, _masked_fill_tensor_rule(_op))
 
 
+def _fill_tensor_rule(op):
+    """fill needs a 0-dim `value`; a batched one (one fill value per element) is written as
+    that value broadcast over each element's dims."""
+    inplace = op is aten.fill_.Tensor
+    broadcasting = pointwise_rule(op)
+
+    def rule(interp, x, value):
+        if not interp.is_batched(value):
+            return broadcasting(interp, x, value)
+        if inplace and not interp.is_batched(x):
+            raise_unbatched_inplace(op, x)
+        out = x._value if inplace else torch.empty_like(materialize(interp, x))
+        out.copy_(value._value.view(-1, *((1,) * x.dim())).expand_as(out))
+        return x if inplace else interp.wrap(out)
+
+    return rule
+
+
+for _op in (aten.fill.Tensor, aten.fill_.Tensor):
+    VMAP_RULES.set(_op, _fill_tensor_rule(_op))
+
+
 @VMAP_RULES.register(aten.copy.default)
 def _copy(interp, x, src, non_blocking=False):
     """Functional copy: a new tensor of `x`'s shape and dtype holding `src` broadcast; it
@@ -156,3 +177,16 @@ def _copy(interp, x, src, non_blocking=False):
 # bit would make torch's C++ code skip resolve_conj before kernels that ignore it.
 VMAP_RULES.set(aten._conj.default, lambda interp, x: interp.wrap(aten.conj_physical.default(x._value)))
 VMAP_RULES.set(aten._neg_view.default, lambda interp, x: interp.wrap(aten.neg.default(x._value)))
+
+
+@VMAP_RULES.register(aten.gelu_backward.default)
+def _gelu_backward(interp, grad, x, approximate="none"):
+    """Operands broadcast to one physical shape first: oneDNN's float32 CPU kernel of
+    gelu_backward fails on broadcasting operands ("could not create a primitive descriptor
+    for the reorder primitive"), which plain autograd never passes it but a batched
+    cotangent against an unbatched input (`jacrev(F.gelu)`) does."""
+    rank = max(grad.dim(), x.dim())
+    grad_value, x_value = torch.broadcast_tensors(
+        pad_to_rank(materialize(interp, grad), grad.dim(), rank), pad_to_rank(materialize(interp, x), x.dim(), rank)
+    )
+    return interp.wrap(aten.gelu_backward.default(grad_value, x_value, approximate=approximate))

@@ -32,14 +32,12 @@ _SHAPE_ONLY = (
     aten.cauchy_.default,
     aten.log_normal_.default,
     aten.bernoulli_.float,
+    aten.bernoulli.p,
     aten.uniform.default,
 )
 # Ops whose draws depend on the batched tensor's values (probabilities, means, rates).
 _VALUE_DEPENDENT = (
     aten.bernoulli.default,
-    aten.bernoulli.p,
-    aten.bernoulli.Tensor,
-    aten.bernoulli_.Tensor,
     aten.normal.Tensor_float,
     aten.normal.float_Tensor,
     aten.normal.Tensor_Tensor,
@@ -104,3 +102,21 @@ for _op in _SHAPE_ONLY:
     VMAP_RULES.set(_op, _shape_only_rule(_op))
 for _op in _VALUE_DEPENDENT:
     VMAP_RULES.set(_op, _value_dependent_rule(_op))
+
+
+def _bernoulli_p_tensor_rule(op):
+    """bernoulli(x, p) / x.bernoulli_(p): the draws depend on the values of `p` and only on
+    the shape of `x`. With `p` not batched here every element draws with the same
+    probabilities, so randomness="same" is well defined (one draw, expanded)."""
+    shape_only, value_dependent = _shape_only_rule(op), _value_dependent_rule(op)
+
+    def rule(interp, x, p, **kwargs):
+        if interp.is_batched(p):
+            return value_dependent(interp, x, p, **kwargs)
+        return shape_only(interp, x, p, **kwargs)
+
+    return rule
+
+
+for _op in (aten.bernoulli.Tensor, aten.bernoulli_.Tensor):
+    VMAP_RULES.set(_op, _bernoulli_p_tensor_rule(_op))

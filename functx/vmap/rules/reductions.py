@@ -1,6 +1,8 @@
 """Reductions, scans, softmax and sorting: the batch dim is moved out of the way of the
 reduced dims (`batch_all_rule`); reductions over everything reduce all logical dims."""
 
+import math
+
 import torch
 
 from ..batched_tensor import VMAP_RULES
@@ -67,7 +69,8 @@ def _full_reduction(dim_op, pick=None):
     """Rule for a reduction over every element: flatten the logical dims, reduce dim 1."""
 
     def rule(interp, x, *args, **kwargs):
-        flat = x._value.reshape(interp.batch_size, -1)
+        # explicit sizes: a -1 next to a batch size of 0 is ambiguous to torch
+        flat = x._value.reshape(interp.batch_size, math.prod(x.shape))
         out = dim_op(flat, 1, *args, **kwargs)
         return interp.wrap(out if pick is None else out[pick])
 
@@ -125,7 +128,7 @@ def _searchsorted_batched(interp, boundaries, values, sorter=None, **flags):
         rows = torch.full((batch, 1), values, dtype=torch.result_type(boundaries, values), device=boundaries.device)
         shape = ()
     else:
-        rows = materialize(interp, values).reshape(batch, -1)
+        rows = materialize(interp, values).reshape(batch, math.prod(values.shape))
         shape = values.shape
     out = aten.searchsorted.Tensor(
         materialize(interp, boundaries),
@@ -165,7 +168,7 @@ def _histc(interp, x, bins=100, min=0, max=0):
     """Same arithmetic as ATen's histc kernel (linear interpolation between the outer
     edges, computed in the input dtype; the top edge falls in the last bin; values outside
     the edges and NaNs are ignored), with each element's own edges when min == max."""
-    value = materialize(interp, x).reshape(interp.batch_size, -1)
+    value = materialize(interp, x).reshape(interp.batch_size, math.prod(x.shape))
     dtype = value.dtype
     if min == max:  # data range per element (0, 0 for empty elements), widened if flat
         if value.shape[1]:

@@ -2,8 +2,10 @@
 through a view inside vmap land in the tensor it views."""
 
 import functools
+import math
 
 import torch
+from torch._prims_common import infer_size
 
 from ..batched_tensor import VMAP_RULES
 from ..templates import (
@@ -61,9 +63,15 @@ def _permute(interp, x, dims):
     return interp.wrap(x._value.permute(0, *(normalize_dim(d, rank) + 1 for d in dims)))
 
 
+def _per_sample(x, size):
+    """`size` with its -1 resolved against one sample: next to a batch size of 0 torch
+    cannot resolve it."""
+    return infer_size(size, math.prod(x.shape)) if -1 in size else size
+
+
 @VMAP_RULES.register(aten.view.default)
 def _view(interp, x, size):
-    return interp.wrap(x._value.view(interp.batch_size, *size))
+    return interp.wrap(x._value.view(interp.batch_size, *_per_sample(x, size)))
 
 
 @VMAP_RULES.register(aten._unsafe_view.default, aten.reshape.default)
@@ -71,7 +79,7 @@ def _reshape(interp, x, size):
     # _unsafe_view only ever follows a fresh result, which is contiguous in eager torch;
     # the batched value may not be (the batch dim can sit anywhere in memory), so copy
     # when a view is impossible.
-    return interp.wrap(x._value.reshape(interp.batch_size, *size))
+    return interp.wrap(x._value.reshape(interp.batch_size, *_per_sample(x, size)))
 
 
 @VMAP_RULES.register(aten._reshape_alias.default)
@@ -164,7 +172,7 @@ def _as_strided(interp, x, size, stride, storage_offset=None):
 def _roll(interp, x, shifts, dims=()):
     value = interp.unwrap(x) if interp.is_batched(x) else x.expand(interp.batch_size, *x.shape)
     if len(dims) == 0:  # roll the flattened tensor
-        flat = value.reshape(value.shape[0], -1)
+        flat = value.reshape(value.shape[0], math.prod(x.shape))
         return interp.wrap(flat.roll(shifts, 1).view(value.shape))
     rank = x.dim()
     return interp.wrap(value.roll(shifts, [normalize_dim(d, rank) + 1 for d in dims]))
@@ -214,7 +222,7 @@ def _resize_value(interp, x, size):
     else:
         resized = value.new_empty((batch, *size))
         keep = min(old, new)
-        resized.view(batch, -1)[:, :keep] = value.reshape(batch, -1)[:, :keep]
+        resized.view(batch, new)[:, :keep] = value.reshape(batch, old)[:, :keep]
     value.set_(resized)
     return x
 

@@ -1,0 +1,63 @@
+"""Tensor semantics user code can observe inside transforms, as torch.func shows them:
+`tolist`/`item` on grad-level tensors, `contiguous()` and transposes keeping identity and
+layout, `cat` keeping `requires_grad`, `new_empty_strided` keeping the strides asked for,
+`requires_grad` of inputs, results and fresh tensors. Each observation is recorded inside
+the transform, for functx and torch.func (the oracle) alike, and compared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.func
+
+import functx
+
+
+def _observe(lib, transform, probe, x):
+    seen = []
+
+    def f(t):
+        seen.append(probe(t))
+        return t.sum()
+
+    if transform == "grad":
+        lib.grad(f)(x)
+    elif transform == "vjp":
+        lib.vjp(f, x)
+    elif transform == "jvp":
+        lib.jvp(f, (x,), (torch.ones_like(x),))
+    elif transform == "vmap_grad":
+        lib.vmap(lib.grad(f))(x.expand(2, *x.shape).clone())
+    elif transform == "grad_grad":
+        lib.grad(lib.grad(f))(x) if x.dim() == 0 else lib.grad(lambda t: lib.grad(f)(t).sum())(x)
+    return seen
+
+
+PROBES = {
+    "tolist": lambda t: t.tolist(),
+    "item of an element": lambda t: round(t[0, 0].item(), 5),
+    "contiguous is identity": lambda t: t.contiguous() is t,
+    "t().t() strides": lambda t: (t.t().stride(), t.t().t().stride(), t.t().is_contiguous()),
+    "contiguous of a transpose": lambda t: (t.t().contiguous().is_contiguous(), t.t().contiguous().stride()),
+    "cat requires_grad": lambda t: (torch.cat([t, torch.ones(1, 3)]).requires_grad, torch.cat([torch.ones(1), torch.ones(2)]).requires_grad),
+    "requires_grad": lambda t: (t.requires_grad, (t * 2).requires_grad, torch.ones(2).requires_grad, t.detach().requires_grad),
+    "new_empty_strided": lambda t: t.new_empty_strided((2, 3), (1, 2)).stride(),
+}
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "vmap_grad", "grad_grad"])
+@pytest.mark.parametrize("probe", list(PROBES), ids=list(PROBES))
+def test_observations_inside_transforms_match_torch_func(transform, probe):
+    x = torch.arange(6.0).view(2, 3) / 7
+    if transform == "vmap_grad" and probe in ("tolist", "item of an element"):
+        pytest.skip("a batched tensor has no single Python value (both libraries raise)")
+    expected = _observe(torch.func, transform, PROBES[probe], x)
+    actual = _observe(functx, transform, PROBES[probe], x)
+    assert actual == expected
+
+
+def test_tolist_under_vmap_is_refused_like_torch_func():
+    with pytest.raises(RuntimeError):
+        torch.func.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="tolist"):
+        functx.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
