@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vmap.chain import batched_everywhere, peel, rewrap_like, wrap_chain
+from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
 from .direct_reverse import install_direct_level, restore_direct_level
 from .level import ADLevel
 from .wrapped_forward import load_forward_decompositions
@@ -38,13 +38,14 @@ _DUAL_LEVEL = 0
 class DirectJvpLevel(ADLevel):
     """A jvp level run by torch's forward AD on the tensors under `vmap_levels`."""
 
-    __slots__ = ("vmap_levels", "_outer")
+    __slots__ = ("vmap_levels", "lifts_buffers", "_outer")
     forward_mode = True
 
     def __init__(self, vmap_levels):
         super().__init__()
         load_forward_decompositions()
         self.vmap_levels = tuple(vmap_levels)
+        self.lifts_buffers = False  # as DirectGradLevel's: set when `dual` batches a primal
         self._outer = ()
 
     def pushed(self):
@@ -57,10 +58,16 @@ class DirectJvpLevel(ADLevel):
     def dual(self, primal, tangent):
         """The function's input for `primal` with `tangent` (these levels' tensors)."""
         levels = self.vmap_levels
+        if not is_batched_everywhere(levels, primal):
+            self.lifts_buffers = True
         physical = batched_everywhere(levels, primal)
         if any(stride == 0 for stride in physical.stride()[: len(levels)]):
             physical = physical.clone()  # an expanded batch dim: give each element its memory
         return wrap_chain(levels, _make_dual(physical, batched_everywhere(levels, tangent), level=_DUAL_LEVEL))
+
+    def lift_buffer(self, x):
+        """A buffer the function made, batched like the primals (DirectGradLevel.lift_buffer)."""
+        return batched_copy(self.vmap_levels, x)
 
     def unpack(self, x):
         """`(primal, tangent or None)` of a result, without this level's tangents."""

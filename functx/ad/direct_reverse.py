@@ -46,7 +46,7 @@ import torch
 from ..core.interpreter import functx_code
 from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
-from ..vmap.chain import batched_everywhere, peel, wrap_chain
+from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, wrap_chain
 from .level import ADLevel, autograd_grad, unwrap_level
 
 
@@ -67,13 +67,16 @@ class DirectGradLevel(ADLevel):
     """A grad level run by plain autograd on the tensors under `vmap_levels` (the vmap levels
     on top of the stack when it opened, innermost last; empty for the outermost level)."""
 
-    __slots__ = ("vmap_levels", "reaches_outside", "_outer")
+    __slots__ = ("vmap_levels", "reaches_outside", "lifts_buffers", "_outer")
     forward_mode = False
 
     def __init__(self, vmap_levels=()):
         super().__init__()
         self.vmap_levels = tuple(vmap_levels)
         self.reaches_outside = False
+        # Set when an input not batched at every vmap level got its batch dims here (`leaf`):
+        # then the function's own buffers are batched too (`lift_buffer`).
+        self.lifts_buffers = False
         self._outer = ()
 
     def pushed(self):
@@ -92,6 +95,8 @@ class DirectGradLevel(ADLevel):
         """A tensor standing for input `x` that this level differentiates with respect to:
         batched at every level (so an unbatched input's gradient comes out per element)."""
         physical = batched_everywhere(self.vmap_levels, x)
+        if self.vmap_levels and not is_batched_everywhere(self.vmap_levels, x):
+            self.lifts_buffers = True
         if physical.requires_grad and self.prev_grad_mode:
             leaf = physical.view_as(physical)  # stays connected to the outside graph
         else:
@@ -99,6 +104,17 @@ class DirectGradLevel(ADLevel):
             leaf = (physical.clone() if physical.is_inference() else physical.detach()).requires_grad_()
             leaf._functx_leaf_of = self  # "outside" for the levels inside this one, while it lives
         return wrap_chain(self.vmap_levels, leaf)
+
+    def lift_buffer(self, x):
+        """A tensor the function made (`torch.zeros(3)`), batched at every vmap level as a
+        copy. An input this level batched for its per-element gradients (an unbatched
+        parameter) is batched in user code, so writing it into the function's own buffer
+        (`h[0] = p`, `buf.copy_(p)`) needs a batched buffer: torch.func's grad level wraps
+        the buffer and keeps it unbatched, this level records on physical tensors, where
+        the buffer must hold each element's copy for each element's derivative. Called by
+        the innermost vmap level's torch function mode (vmap/randomness.py) for plain
+        floating-point factory results, only while `lifts_buffers`."""
+        return batched_copy(self.vmap_levels, x)
 
     def seal(self, outputs, leaves) -> None:
         """After the function ran: does its graph reach tensors tracked outside?"""

@@ -33,19 +33,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core.errors import op_name
+from ..core.factories import FACTORIES
 from ..core.level_tensor import level_of
-
-_FACTORIES = frozenset(
-    [
-        torch.zeros, torch.ones, torch.empty, torch.full, torch.eye, torch.arange, torch.range,
-        torch.linspace, torch.logspace, torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy,
-        torch.scalar_tensor, torch.empty_strided, torch.zeros_like, torch.ones_like, torch.empty_like,
-        torch.full_like, torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
-        torch.randn_like, torch.randint_like, torch.normal, torch.clone,
-        torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
-        torch.Tensor.new_tensor, torch.Tensor.new_empty_strided, torch.Tensor.clone,
-    ]
-)
 
 
 class FactoryLifting(TorchFunctionMode):
@@ -59,7 +48,7 @@ class FactoryLifting(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (
-            func in _FACTORIES
+            func in FACTORIES
             and isinstance(out, torch.Tensor)
             and (out.is_floating_point() or out.is_complex())
             and level_of(out) < self.level.level  # plain or from below (a level above made it its own)

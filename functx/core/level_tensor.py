@@ -42,6 +42,20 @@ class LevelTensor(torch.Tensor):
     # Ops reach us as ATen ops only; no Python-level __torch_function__ work per call.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # The conjugate bit. torch's Conjugate key runs before the Python key, so a wrapper that
+    # carried the bit would have its lazy conjugation resolved by torch on the wrapper's
+    # (value-less) metadata and silently lost (measured: every op wrong). Wrappers never carry
+    # it; `is_conj()` reports the value's bit instead (AD levels keep a lazy conj view one
+    # level down; vmap materializes it and remembers it, batched_tensor.py), as torch.func's
+    # wrappers report it, and `resolve_conj()` resolves through the levels.
+    def is_conj(self):
+        return self._value.is_conj()
+
+    def resolve_conj(self):
+        if not self.is_conj():
+            return self
+        return torch.ops.aten.clone.default(self)  # the copy is resolved at every level below
+
     def tolist(self):
         """The Python values of the value one level down (torch refuses `tolist` on every
         tensor subclass; `.item()` arrives as an op). An AD level's tensor holds one value;

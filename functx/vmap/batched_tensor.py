@@ -38,6 +38,16 @@ class BatchedTensor(LevelTensor):
     def __repr__(self):
         return f"BatchedTensor(level={self._interp.level}, value={self._value!r})"
 
+    # A conjugate view is materialized (rules/pointwise.py: kernels called from a rule would
+    # ignore a lazy bit); `is_conj()` still reports what one sample's tensor would.
+    _conj_view = False
+
+    def is_conj(self):
+        return self._conj_view
+
+    def resolve_conj(self):
+        return torch.ops.aten.clone.default(self) if self._conj_view else self
+
     @property
     def requires_grad(self):
         """Whether autograd tracks this tensor: the wrapper itself (user code called

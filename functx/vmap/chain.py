@@ -53,6 +53,20 @@ def batched_everywhere(vmap_levels, x):
     return x
 
 
+def is_batched_everywhere(vmap_levels, x) -> bool:
+    """Whether `x` is batched at every one of `vmap_levels` (its wrappers, innermost first)."""
+    for level in reversed(vmap_levels):
+        if type(x) is not BatchedTensor or x._interp is not level:
+            return False
+        x = x._value
+    return True
+
+
+def batched_copy(vmap_levels, x):
+    """A copy of plain `x` batched at every level, each element with its own memory."""
+    return wrap_chain(vmap_levels, batched_everywhere(vmap_levels, x).clone())
+
+
 def wrap_chain(vmap_levels, physical):
     """`physical` (batched at every level) as the innermost level's tensor."""
     for level in vmap_levels:

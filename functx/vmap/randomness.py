@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..core.factories import FACTORIES
 from ..core.level_tensor import LevelTensor, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 
@@ -87,7 +88,11 @@ class RandomnessMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = _RANDOM_FUNCS.get(func)
         if kind is None:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            direct = self.interp.direct_ad
+            if direct is not None and func in FACTORIES and direct.lifts_buffers:
+                return _lift_buffer(self.interp, direct, out)
+            return out
         if kind == "index":
             return _index_with_tensor_scalars(func, args, kwargs)
         if kind == "autograd":
@@ -95,6 +100,19 @@ class RandomnessMode(TorchFunctionMode):
         if kind == "backward":
             return route_backward(self.interp, func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
+
+
+def _lift_buffer(interp, direct, out):
+    """A buffer the function made under a direct grad level that batched some input of its
+    own (ad/direct_reverse.py `lift_buffer`): batched at that level's vmap levels, by the
+    innermost one only (the modes of the others see the result already lifted)."""
+    if (
+        interp is direct.vmap_levels[-1]
+        and type(out) is torch.Tensor
+        and (out.is_floating_point() or out.is_complex())
+    ):
+        return direct.lift_buffer(out)
+    return out
 
 
 def _batched_here(interp, args, kwargs):

@@ -137,3 +137,78 @@ def test_an_exception_leaves_the_stack_and_torch_function_modes_as_they_were(tra
     assert current_stack() == ()
     assert len(_get_current_function_mode_stack()) == modes
     assert type(torch.zeros(2)) is torch.Tensor  # nothing lifts any more
+
+
+# -- under vmap: an unbatched differentiated input written into the function's own buffer ----
+def _copy_into_buffer(p, x):
+    arr = torch.empty(4, dtype=D)
+    arr.copy_(p)
+    return (arr.sin() * x).sum()
+
+
+def _setitem_into_buffer(p, x):
+    h = torch.zeros(4, dtype=D)
+    h[0] = p[1]
+    h[1:] = p[1:] * 2
+    return (h.sin() * x).sum()
+
+
+def _jvp_of(f):
+    return lambda p, x: functx.jvp(lambda q: f(q, x), (p,), (torch.ones_like(p),))[1]
+
+
+PER_SAMPLE = {
+    "vmap(grad)": lambda f: functx.vmap(functx.grad(f), in_dims=(None, 0)),
+    "vmap(jacrev)": lambda f: functx.vmap(functx.jacrev(f), in_dims=(None, 0)),
+    "vmap(hessian)": lambda f: functx.vmap(functx.hessian(f), in_dims=(None, 0)),
+    "vmap(jacfwd)": lambda f: functx.vmap(functx.jacfwd(f), in_dims=(None, 0)),
+    "vmap(jvp)": lambda f: functx.vmap(_jvp_of(f), in_dims=(None, 0)),
+    "vmap(vmap(grad))": lambda f: functx.vmap(functx.vmap(functx.grad(f), in_dims=(None, 0)), in_dims=(None, 0)),
+}
+
+
+def _per_sample_reference(name, f, p, x):
+    """Plain torch.autograd, one sample at a time (the vmap(vmap) case: both batch dims)."""
+    if name == "vmap(vmap(grad))":
+        return torch.stack([_per_sample_reference("vmap(grad)", f, p, xi) for xi in x])
+    rows = []
+    for xi in x:
+        q = p.clone().requires_grad_()
+        if name == "vmap(jvp)":
+            rows.append(torch.autograd.functional.jvp(lambda v: f(v, xi), q.detach(), torch.ones_like(p))[1])
+        elif name == "vmap(hessian)":
+            rows.append(torch.autograd.functional.hessian(lambda v: f(v, xi), q.detach()))
+        else:
+            (g,) = torch.autograd.grad(f(q, xi), q)
+            rows.append(g)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("f", [_copy_into_buffer, _setitem_into_buffer], ids=["copy_", "setitem"])
+@pytest.mark.parametrize("name", list(PER_SAMPLE))
+def test_unbatched_differentiated_input_written_into_a_fresh_buffer_under_vmap(name, f):
+    """issue 12: `arr = torch.empty(4); arr.copy_(p)` under vmap(grad(f), in_dims=(None, 0))
+    was refused as batched-into-unbatched (the direct level batches p for its per-element
+    derivatives); the function's own buffers are now batched with it."""
+    p = torch.randn(4, dtype=D)
+    x = torch.randn(3, 4, dtype=D)
+    if name == "vmap(vmap(grad))":
+        x = torch.randn(2, 3, 4, dtype=D)
+    torch.testing.assert_close(PER_SAMPLE[name](f)(p, x), _per_sample_reference(name, f, p, x))
+    assert current_stack() == ()
+
+
+def test_buffers_stay_unbatched_where_no_input_was_batched_for_its_derivative():
+    """All differentiated inputs batched: writing one into a fresh buffer stays refused, as
+    torch.func refuses it (nothing was batched behind the user's back)."""
+    def f(x):
+        arr = torch.empty(4, dtype=D)
+        arr.copy_(x)
+        return arr.sin().sum()
+
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(RuntimeError):
+        tf.vmap(tf.grad(f))(x)
+    with pytest.raises(RuntimeError, match="not batched"):
+        functx.vmap(functx.grad(f))(x)
+    assert current_stack() == ()

@@ -775,22 +775,6 @@ ALLOWED_ERRORS = [
 ]
 
 
-def _known_gap(case, error) -> bool:
-    """Issue 12's open item, accepted while fuzzing (it is a clear error, not a wrong value;
-    `test_regression_vmap_of_grad_unbatched_argnum_copied_into_fresh_buffer` pins it as a
-    strict xfail): right inside `vmap(..., in_dims=None for some argument)`, `grad`/`jacrev`
-    (and `jvp`, whose primals are copied batched) give the unbatched differentiated input
-    the batch dim, so writing it into a buffer made
-    inside the function is refused by vmap although torch.func runs it."""
-    if not re.search(r"vmap: \S+ writes in place into a tensor that is not batched", str(error)):
-        return False
-    stack = case.stack
-    return any(
-        outer.kind == "vmap" and None in outer.params["in_dims"] and inner.kind in ("grad", "jacrev", "hessian", "jvp")
-        for outer, inner in zip(stack, stack[1:])
-    )
-
-
 def _raises(fn):
     try:
         with warnings.catch_warnings():
@@ -802,8 +786,7 @@ def _raises(fn):
 
 
 def check(case, lib=functx, rtol=RTOL, atol=ATOL):
-    """functx (`lib`) on `case` against `Ref`: equal, or an allowed error torch.func raises too
-    (while fuzzing, also the known gap `_known_gap`)."""
+    """functx (`lib`) on `case` against `Ref`: equal, or an allowed error torch.func raises too."""
     fuzzing = currently_in_test_context()
     expected = case.run(Ref).detach()
     tame = bool(torch.isfinite(expected).all() and expected.abs().max() < 1e4)  # exp/pow chains can blow up
@@ -818,9 +801,6 @@ def check(case, lib=functx, rtol=RTOL, atol=ATOL):
         if any(p.search(str(error)) for p in ALLOWED_ERRORS) and _raises(lambda: case.batch_size_at_least(2).run(torch.func)):
             if fuzzing:
                 event("allowed functx error")
-            return
-        if fuzzing and _known_gap(case, error):
-            event("known gap (issue 12): vmap(grad) copy of an unbatched input into a fresh buffer")
             return
         raise AssertionError(f"functx raised where the reference runs: {type(error).__name__}: {error}") from error
     assert current_stack() == (), "functx left its interpreter stack dirty"
@@ -1007,17 +987,11 @@ def test_regression_vjp_of_jvp_of_jvp_through_copy_into_fresh_buffer():
     check(Case(program, [T("vjp", seed=0), T("jvp", seed=0), T("jvp", seed=0)]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # check(): "functx raised where the reference runs: RuntimeError: vmap: ..."
-    reason="issue 12: vmap(grad) gives unbatched differentiated inputs the batch dim (an expand), "
-    "so copying one into a buffer made inside the function is refused as batched-into-unbatched "
-    "(a clear error, not a wrong value); torch.func runs it",
-)
 def test_regression_vmap_of_grad_unbatched_argnum_copied_into_fresh_buffer():
     """vmap(grad(f, argnums=0), in_dims=(None, 0)) with `torch.zeros(3).copy_(x0)`: x0 is not
     batched, so torch.func runs it; functx raised "vmap: aten::copy_ writes in place into a
-    tensor that is not batched" (it expands the differentiated x0 to the batch)."""
+    tensor that is not batched" (the direct level batches the differentiated x0 for its
+    per-element gradients; the function's own buffers are now batched too)."""
     program = Program([(3,), (3,)], [Op("buf_copy", like=False), Op("sin"), Op("binary", kind="add", j=1)])
     check(Case(program, [T("vmap", in_dims=(None, 0), out_dims=0, size=1), T("grad", argnums=0, seed=0)]))
 

@@ -61,3 +61,60 @@ def test_tolist_under_vmap_is_refused_like_torch_func():
         torch.func.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
     with pytest.raises(RuntimeError, match="tolist"):
         functx.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
+
+
+CONJ_PROBES = {
+    "conj": lambda t: t.conj().is_conj(),
+    "conj of conj": lambda t: t.conj().conj().is_conj(),
+    "resolved": lambda t: t.conj().resolve_conj().is_conj(),
+    "input": lambda t: t.is_conj(),
+}
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "vjp", "jvp", "vmap_grad"])
+@pytest.mark.parametrize("probe", list(CONJ_PROBES), ids=list(CONJ_PROBES))
+def test_conj_bit_as_torch_func_reports_it(transform, probe):
+    x = torch.randn(2, 3, dtype=torch.complex128)
+
+    def observe(lib):
+        seen = []
+
+        def f(t):
+            seen.append(CONJ_PROBES[probe](t))
+            return (t.conj() * t).real.sum() if transform != "vmap" else t
+
+        if transform == "vmap":
+            lib.vmap(f)(x)
+        elif transform == "grad":
+            lib.grad(f)(x)
+        elif transform == "vjp":
+            lib.vjp(f, x)
+        elif transform == "jvp":
+            lib.jvp(f, (x,), (torch.ones_like(x),))
+        else:
+            lib.vmap(lib.grad(f))(x)
+        return seen
+
+    assert observe(functx) == observe(torch.func)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda a, b: a.conj() * b,
+        lambda a, b: a.conj().resolve_conj() + b,
+        lambda a, b: torch.dot(a.conj(), b),
+        lambda a, b: a.conj()[1:] * b[:-1],
+        lambda a, b: b.clone().copy_(a.conj()),
+        lambda a, b: torch.cat([a.conj(), b.conj().conj()]),
+    ],
+)
+def test_conj_values_under_vmap_and_grad(f):
+    """The reported bit must not change any value: vmap against a loop; grad of a real loss
+    against plain torch.autograd."""
+    a, b = torch.randn(4, 3, dtype=torch.complex128), torch.randn(4, 3, dtype=torch.complex128)
+    torch.testing.assert_close(functx.vmap(f)(a, b), torch.stack([f(x, y) for x, y in zip(a, b)]))
+    loss = lambda x, y: f(x, y).abs().sum()  # noqa: E731
+    a0 = a[0].clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss(a0, b[0]), a0)
+    torch.testing.assert_close(functx.grad(loss)(a[0], b[0]), expected)

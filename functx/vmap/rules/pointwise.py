@@ -175,7 +175,11 @@ def _copy(interp, x, src, non_blocking=False):
 # torch's Conjugate/Negative dispatch keys excluded (we are inside __torch_dispatch__), so
 # a conj/neg bit on a physical value would be silently ignored; and a wrapper without the
 # bit would make torch's C++ code skip resolve_conj before kernels that ignore it.
-VMAP_RULES.set(aten._conj.default, lambda interp, x: interp.wrap(aten.conj_physical.default(x._value)))
+@VMAP_RULES.register(aten._conj.default)
+def _conj(interp, x):
+    out = interp.wrap(aten.conj_physical.default(x._value))
+    out._conj_view = not x.is_conj()  # what `is_conj()` of one sample's conj view says
+    return out
 VMAP_RULES.set(aten._neg_view.default, lambda interp, x: interp.wrap(aten.neg.default(x._value)))
 
 
