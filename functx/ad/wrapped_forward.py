@@ -208,6 +208,50 @@ _VIEW = (None, False, False, "view")  # a view op: tangent of the view = the sam
 _GENERAL = object()  # `_out_of_place` declined: the general path of `process`
 
 
+# -- matrix products: their tangent, summed over the factors that carry one ------------------
+# torch's forward formulas for these give every factor without a tangent a ZeroTensor and
+# multiply it through; ZeroTensor's kernels find the result's shape with Python meta
+# functions (torch._refs): measured ~150 µs per addmm under plain torch forward AD, half of
+# a 16-32-8 MLP's jvp (616 -> 305 µs per call without them; torch.func ~450 µs). The
+# product rule with only the defined terms is exact and costs one product per tangent.
+def _product_tangent(product, a, b, a_t, b_t):
+    tangent = None if a_t is None else product(a_t, b)
+    if b_t is not None:
+        term = product(a, b_t)
+        tangent = term if tangent is None else tangent + term
+    return tangent
+
+
+def _mm_jvp(product):
+    def jvp(out, values, tangents, kwargs):
+        a, b = values
+        return _product_tangent(product, a, b, tangents[0], tangents[1])
+
+    return jvp
+
+
+def _addmm_jvp(out, values, tangents, kwargs):
+    """addmm(c, a, b, beta, alpha) = beta c + alpha a @ b."""
+    c, a, b = values[:3]
+    beta = kwargs.get("beta", values[3] if len(values) > 3 else 1)
+    alpha = kwargs.get("alpha", values[4] if len(values) > 4 else 1)
+    tangent = _product_tangent(torch.mm, a, b, tangents[1], tangents[2])
+    if tangent is not None and alpha != 1:
+        tangent = tangent * alpha
+    c_t = tangents[0]
+    if c_t is not None and beta != 0:  # beta = 0 ignores `c` (even its nans)
+        c_t = c_t if beta == 1 else c_t * beta
+        tangent = c_t.expand_as(out).clone() if tangent is None else tangent + c_t
+    return tangent
+
+
+_MATMUL_JVPS = {
+    torch.ops.aten.mm.default: _mm_jvp(torch.mm),
+    torch.ops.aten.bmm.default: _mm_jvp(torch.bmm),
+    torch.ops.aten.addmm.default: _addmm_jvp,
+}
+
+
 def _is_view_op(op) -> bool:
     """One tensor returned, an alias of the first argument that it does not write."""
     if op is aten.detach.default:  # aliases, but drops the tangent
@@ -403,6 +447,11 @@ class WrappedJvpLevel(WrappedLevel):
             return self.wrap_outputs(out, False)
         if not plain or self.nested:
             return _GENERAL
+        matmul_jvp = _MATMUL_JVPS.get(op)
+        if matmul_jvp is not None:
+            with _restore_autograd():
+                out = op(*values, **kwargs)
+                return DualTensor(out, matmul_jvp(out, values, tangents, kwargs), self)
         try:
             with _restore_autograd(), _forward_ad_on():
                 if _tls_excluded(_ADInplaceOrView):  # rare (see _views_tracked); the guard costs

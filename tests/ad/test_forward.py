@@ -7,6 +7,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.func as tf
 
+import functx
 from functx import PerformanceWarning, grad, hessian, jacfwd, jacrev, jvp, linearize, vmap
 
 D = torch.float64
@@ -206,3 +207,56 @@ def test_dual_level_and_stack_restored_after_an_error():
 def test_jvp_of_integer_primal_is_a_clear_error():
     with pytest.raises(RuntimeError, match="floating-point"):
         jvp(lambda a: a * 2, (torch.arange(3),), (torch.arange(3),))
+
+
+# -- matrix products: only the factors with a tangent contribute (wrapped_forward._MATMUL_JVPS)
+def _fd_jvp(f, primals, tangents, eps=1e-6):
+    """Central finite difference of f along the tangents (float64)."""
+    plus = f(*[p + eps * t for p, t in zip(primals, tangents)])
+    minus = f(*[p - eps * t for p, t in zip(primals, tangents)])
+    return (plus - minus) / (2 * eps)
+
+
+_PRODUCTS = {
+    "mm": (lambda a, b: torch.mm(a, b), [(3, 4), (4, 5)]),
+    "bmm": (lambda a, b: torch.bmm(a, b), [(2, 3, 4), (2, 4, 5)]),
+    "addmm": (lambda c, a, b: torch.addmm(c, a, b), [(3, 5), (3, 4), (4, 5)]),
+    "addmm broadcast c": (lambda c, a, b: torch.addmm(c, a, b), [(5,), (3, 4), (4, 5)]),
+    "addmm beta alpha": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=-2.0), [(3, 5), (3, 4), (4, 5)]),
+    "linear 1-d": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(4,), (5, 4), (5,)]),
+    "linear 2-d": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(3, 4), (5, 4), (5,)]),
+}
+
+
+@pytest.mark.parametrize("name", list(_PRODUCTS))
+@pytest.mark.parametrize("mask", [1, 2, 3, 4, 5, 6, 7])
+def test_matrix_product_tangents_with_any_subset_of_factors(name, mask):
+    """Each subset of the factors carries a tangent (the others are closed over): the
+    tangent is the product rule's sum over that subset, as finite differences give it."""
+    f, shapes = _PRODUCTS[name]
+    if mask >= 1 << len(shapes):
+        pytest.skip("no such subset")
+    torch.manual_seed(mask)
+    values = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    moving = [i for i in range(len(shapes)) if mask >> i & 1]
+
+    def g(*moved):
+        full = list(values)
+        for i, m in zip(moving, moved):
+            full[i] = m
+        return f(*full)
+
+    primals = tuple(values[i] for i in moving)
+    tangents = tuple(torch.randn_like(p) for p in primals)
+    out, tangent = functx.jvp(g, primals, tangents)
+    torch.testing.assert_close(out, g(*primals))
+    torch.testing.assert_close(tangent, _fd_jvp(g, primals, tangents), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(tangent, tf.jvp(g, primals, tangents)[1])
+
+
+def test_addmm_with_beta_zero_ignores_c_and_its_tangent():
+    c = torch.full((3, 5), float("nan"), dtype=torch.float64)
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    out, tangent = functx.jvp(lambda c, a: torch.addmm(c, a, b, beta=0), (c, a), (torch.ones_like(c), torch.ones_like(a)))
+    torch.testing.assert_close(tangent, torch.ones_like(a) @ b)
+    assert not tangent.isnan().any() and not out.isnan().any()

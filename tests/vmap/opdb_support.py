@@ -366,12 +366,34 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
+def _raises_for_contiguous_copies(fn, sample, per_element) -> bool:
+    try:
+        reference(fn, sample, [[t.contiguous() if isinstance(t, torch.Tensor) else t for t in ts] for ts in per_element])
+    except Exception:  # noqa: BLE001 - any error
+        return True
+    return False
+
+
 def _run_one(result, fn, sample, label, make_batched, in_dims, make_reference, random, tolerance):
     try:
         expected = reference(fn, sample, make_reference())
     except Exception as e:  # the sample is not valid in this layout (e.g. `view` of a strided input)
-        if len(result.messages) < 6:
-            result.messages.append(f"{label}: reference raised {_describe(e)}; skipped")
+        per_element = make_reference()
+        if not _raises_for_contiguous_copies(fn, sample, per_element):
+            # a kernel's stride requirement (aten.native_group_norm wants contiguous input):
+            # vmap may run it, as the public op (which makes it contiguous) would
+            if len(result.messages) < 6:
+                result.messages.append(f"{label}: reference raised {_describe(e)} on strided samples only; skipped")
+            return
+        # then vmap must reject it too: the batch dim is never a data dim (issue 12)
+        result.checks += 1
+        try:
+            run_vmap(fn, sample, make_batched(), in_dims, "different" if random else "error")
+        except Exception:  # noqa: BLE001 - any error: one sample raised in plain torch
+            if len(result.messages) < 6:
+                result.messages.append(f"{label}: reference raised {_describe(e)}; vmap raised too")
+            return
+        result.note("fail", f"{label}: one sample raises {_describe(e)} in plain torch, but vmap returned a value")
         return
     modes = ["different", "same"] if random else ["error"]
     for randomness in modes:
