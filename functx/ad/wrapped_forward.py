@@ -230,25 +230,31 @@ def _mm_jvp(product):
     return jvp
 
 
-def _addmm_jvp(out, values, tangents, kwargs):
-    """addmm(c, a, b, beta, alpha) = beta c + alpha a @ b."""
-    c, a, b = values[:3]
-    beta = kwargs.get("beta", values[3] if len(values) > 3 else 1)
-    alpha = kwargs.get("alpha", values[4] if len(values) > 4 else 1)
-    tangent = _product_tangent(torch.mm, a, b, tangents[1], tangents[2])
-    if tangent is not None and alpha != 1:
-        tangent = tangent * alpha
-    c_t = tangents[0]
-    if c_t is not None and beta != 0:  # beta = 0 ignores `c` (even its nans)
-        c_t = c_t if beta == 1 else c_t * beta
-        tangent = c_t.expand_as(out).clone() if tangent is None else tangent + c_t
-    return tangent
+def _added_product_jvp(product):
+    """addmm / addmv (c, a, b, beta, alpha) = beta c + alpha product(a, b)."""
+
+    def jvp(out, values, tangents, kwargs):
+        c, a, b = values[:3]
+        beta = kwargs.get("beta", values[3] if len(values) > 3 else 1)
+        alpha = kwargs.get("alpha", values[4] if len(values) > 4 else 1)
+        tangent = _product_tangent(product, a, b, tangents[1], tangents[2])
+        if tangent is not None and alpha != 1:
+            tangent = tangent * alpha
+        c_t = tangents[0]
+        if c_t is not None and beta != 0:  # beta = 0 ignores `c` (even its nans)
+            c_t = c_t if beta == 1 else c_t * beta
+            tangent = c_t.expand_as(out).clone() if tangent is None else tangent + c_t
+        return tangent
+
+    return jvp
 
 
 _MATMUL_JVPS = {
     torch.ops.aten.mm.default: _mm_jvp(torch.mm),
     torch.ops.aten.bmm.default: _mm_jvp(torch.bmm),
-    torch.ops.aten.addmm.default: _addmm_jvp,
+    torch.ops.aten.mv.default: _mm_jvp(torch.mv),
+    torch.ops.aten.addmm.default: _added_product_jvp(torch.mm),
+    torch.ops.aten.addmv.default: _added_product_jvp(torch.mv),
 }
 
 
@@ -445,13 +451,13 @@ class WrappedJvpLevel(WrappedLevel):
             if isinstance(out, torch.Tensor):
                 return DualTensor(out, None, self)
             return self.wrap_outputs(out, False)
-        if not plain or self.nested:
-            return _GENERAL
         matmul_jvp = _MATMUL_JVPS.get(op)
-        if matmul_jvp is not None:
+        if matmul_jvp is not None:  # ops that re-dispatch: right whatever lies below
             with _restore_autograd():
                 out = op(*values, **kwargs)
                 return DualTensor(out, matmul_jvp(out, values, tangents, kwargs), self)
+        if not plain or self.nested:
+            return _GENERAL
         try:
             with _restore_autograd(), _forward_ad_on():
                 if _tls_excluded(_ADInplaceOrView):  # rare (see _views_tracked); the guard costs

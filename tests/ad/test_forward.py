@@ -220,6 +220,8 @@ def _fd_jvp(f, primals, tangents, eps=1e-6):
 _PRODUCTS = {
     "mm": (lambda a, b: torch.mm(a, b), [(3, 4), (4, 5)]),
     "bmm": (lambda a, b: torch.bmm(a, b), [(2, 3, 4), (2, 4, 5)]),
+    "mv": (lambda a, b: torch.mv(a, b), [(3, 4), (4,)]),
+    "addmv": (lambda c, a, b: torch.addmv(c, a, b, beta=2.0, alpha=0.5), [(3,), (3, 4), (4,)]),
     "addmm": (lambda c, a, b: torch.addmm(c, a, b), [(3, 5), (3, 4), (4, 5)]),
     "addmm broadcast c": (lambda c, a, b: torch.addmm(c, a, b), [(5,), (3, 4), (4, 5)]),
     "addmm beta alpha": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=-2.0), [(3, 5), (3, 4), (4, 5)]),
@@ -232,7 +234,9 @@ _PRODUCTS = {
 @pytest.mark.parametrize("mask", [1, 2, 3, 4, 5, 6, 7])
 def test_matrix_product_tangents_with_any_subset_of_factors(name, mask):
     """Each subset of the factors carries a tangent (the others are closed over): the
-    tangent is the product rule's sum over that subset, as finite differences give it."""
+    tangent is the product rule's sum over that subset, as finite differences give it; also
+    one level up (jvp of jvp, jacfwd) and under vmap, where the factors are other levels'
+    tensors."""
     f, shapes = _PRODUCTS[name]
     if mask >= 1 << len(shapes):
         pytest.skip("no such subset")
@@ -252,6 +256,17 @@ def test_matrix_product_tangents_with_any_subset_of_factors(name, mask):
     torch.testing.assert_close(out, g(*primals))
     torch.testing.assert_close(tangent, _fd_jvp(g, primals, tangents), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(tangent, tf.jvp(g, primals, tangents)[1])
+    # second order: the tangent's own derivative along the same directions (jvp of jvp)
+    inner = lambda *p: functx.jvp(g, p, tangents)[1]  # noqa: E731
+    second = functx.jvp(inner, primals, tangents)[1]
+    torch.testing.assert_close(second, _fd_jvp(lambda *p: tf.jvp(g, p, tangents)[1], primals, tangents), rtol=1e-5, atol=1e-6)
+    # a Jacobian (vmap over basis tangents, the factors batched or not below the jvp level)
+    first = lambda p0: g(p0, *primals[1:])  # noqa: E731
+    torch.testing.assert_close(functx.jacfwd(first)(primals[0]), tf.jacrev(first)(primals[0]))
+    # per-sample tangents: vmap(jvp) with batched tangents
+    batched = tuple(torch.randn(2, *p.shape, dtype=torch.float64) for p in primals)
+    expected = torch.stack([tf.jvp(g, primals, tuple(t[i] for t in batched))[1] for i in range(2)])
+    torch.testing.assert_close(functx.vmap(lambda *t: functx.jvp(g, primals, t)[1])(*batched), expected)
 
 
 def test_addmm_with_beta_zero_ignores_c_and_its_tangent():
