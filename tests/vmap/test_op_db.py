@@ -56,7 +56,6 @@ NOT_VECTORIZED = {
     "_segment_reduce.lengths": "aten::segment_reduce: no batching rule yet (rarely used)",
     "_segment_reduce.offsets": "aten::segment_reduce: no batching rule yet (rarely used)",
     "nn.functional.embedding_bag": "indexing: aten::_embedding_bag_forward_only has no rule yet",
-    "grid_sampler_3d": "nn_pooling: aten::grid_sampler_3d has no rule yet",
 }
 # Output shape from values: run once per element, stacked when the shapes agree (as torch.func).
 _PER_SAMPLE = "data-dependent output shape: runs per sample, stacked where the shapes agree"

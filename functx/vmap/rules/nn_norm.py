@@ -187,7 +187,7 @@ def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running
     if training:
         for original, flat, is_copy in zip((running_mean, running_var), stats, copied):
             if is_copy:
-                original._value.copy_(flat.view(batch, channels))
+                original._value.copy_(flat.view(original._value.shape))
     out = out.unflatten(1, (batch, channels)).movedim(1, 0)
     if save_mean.numel() == batch * channels:  # training: per (element, channel) statistics
         stats = (interp.wrap(t.view(batch, channels)) for t in (save_mean, save_invstd))
@@ -196,10 +196,22 @@ def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running
     return (interp.wrap(out), *stats)
 
 
+def _channel_vector(interp, t):
+    """weight/bias as the (C,) vectors the kernel reads: native_batch_norm takes any shape
+    with C elements (a (C, 1) weight works in plain PyTorch), while the folds below
+    broadcast weight/bias as vectors of channels."""
+    if t is None or t.dim() == 1:
+        return t
+    if interp.is_batched(t):
+        return interp.wrap(t._value.view(interp.batch_size, -1) if t._value.is_contiguous() else t._value.flatten(1))
+    return t.view(-1) if t.is_contiguous() else t.flatten()
+
+
 def _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
     """native_batch_norm's batching rule: (out, save_mean, save_invstd)."""
     if not training and (running_mean is None or running_var is None):
         raise RuntimeError("batch_norm: running_mean and running_var must be defined in evaluation mode")
+    weight, bias = _channel_vector(interp, weight), _channel_vector(interp, bias)
     x_batched = interp.is_batched(input)
     stats = [s for s in (running_mean, running_var) if s is not None]
     stats_batched = [interp.is_batched(s) for s in stats]

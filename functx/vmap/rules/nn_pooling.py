@@ -1,4 +1,5 @@
-"""Pooling, upsampling (F.interpolate), padding and sliding windows (F.unfold / F.fold).
+"""Pooling, upsampling (F.interpolate), padding, sliding windows (F.unfold / F.fold) and
+grid sampling (F.grid_sample).
 
 Each of these ops works on every sample (C, *spatial) on its own and takes either one
 sample or a stack (N, C, *spatial) of them. Under vmap the batch B is folded into N: a
@@ -10,7 +11,9 @@ under `vmap(grad(...))`, fold every sample-shaped tensor argument the same way.
 How F.* reaches these ops (torch 2.x): max_pool1d / avg_pool1d / adaptive_*_pool1d go
 through their 2d op on an unsqueezed input; lp_pool is pow + avg_pool + pointwise ops;
 F.interpolate(mode="area") is adaptive_avg_pool; F.pad(mode="circular") is slices and
-copies; the `.vec` upsample overloads and `aten.pad` are composite and never arrive.
+copies; the `.vec` upsample overloads and `aten.pad` are composite and never arrive;
+F.affine_grid is composite (affine_grid_generator decomposes), F.grid_sample reaches
+grid_sampler_2d / grid_sampler_3d.
 """
 
 import torch
@@ -213,3 +216,80 @@ def _constant_pad_nd(interp, x, pad, *value, **kwargs):
 # -- sliding windows (F.unfold / F.fold) -------------------------------------------------------------
 # im2col: (N, C, H, W) -> (N, C*kh*kw, L); col2im: (N, C*kh*kw, L) -> (N, C, H, W).
 _register_fold([(aten.im2col.default, 3), (aten.col2im.default, 2)])
+
+
+# -- grid sampling (F.grid_sample) ---------------------------------------------------------------
+# grid_sampler_{2,3}d(input (N, C, *in_spatial), grid (N, *out_spatial, k), mode, padding,
+# align_corners) -> (N, C, *out_spatial): each output point reads the input of its own sample
+# at one grid point, for all channels alike. So B has three places to go: into C when only
+# the input is batched (the channels share the grid), into the first output dim when only the
+# grid is batched (output points are independent), into N when both are.
+def _check_grid(input, grid, spatial):
+    """grid_sampler's own checks on the logical shapes: the kernel would see (and name) the
+    folded physical ones, which no sample has."""
+    sizes = f"input with sizes {list(input.shape)} and grid with sizes {list(grid.shape)}"
+    if input.dim() != spatial + 2 or grid.dim() != spatial + 2:
+        raise RuntimeError(
+            f"grid_sampler(): expected 4D or 5D input and grid with same number of dimensions, but got {sizes}"
+        )
+    if input.shape[0] != grid.shape[0]:
+        raise RuntimeError(f"grid_sampler(): expected grid and input to have same batch size, but got {sizes}")
+    if grid.shape[-1] != spatial:
+        raise RuntimeError(
+            f"grid_sampler(): expected grid to have size {spatial} in last dimension, but got grid with sizes "
+            f"{list(grid.shape)}"
+        )
+
+
+def _grid_sampler_rule(op, spatial):
+    def rule(interp, input, grid, *args):
+        _check_grid(input, grid, spatial)
+        batch = interp.batch_size
+        if not interp.is_batched(grid):
+            folded = input._value.movedim(0, 1).flatten(1, 2)
+            out = op(folded, grid, *args)
+            return interp.wrap(out.unflatten(1, (batch, input.shape[1])).movedim(1, 0))
+        if not interp.is_batched(input):
+            folded = grid._value.movedim(0, 1).flatten(1, 2)
+            out = op(input, folded, *args)
+            return interp.wrap(out.unflatten(2, (batch, grid.shape[1])).movedim(2, 0))
+        out = op(input._value.flatten(0, 1), grid._value.flatten(0, 1), *args)
+        return interp.wrap(out.unflatten(0, (batch, input.shape[0])))
+
+    rule.__name__ = f"fold_{op.__name__}"
+    return rule
+
+
+def _grid_sampler_backward_rule(op, spatial):
+    """(grad_output, input, grid, mode, padding, align_corners, output_mask) -> (grad_input,
+    grad_grid). grad_input sums over output points and grad_grid over channels, so the
+    forward's folds into C and into the output dims hold only where the gradient that would
+    sum over the merged elements is not asked for (per-sample gradients w.r.t. the input
+    alone, or the grid alone); otherwise B folds into N, unbatched arguments expanded."""
+
+    def rule(interp, grad_output, input, grid, mode, padding, align_corners, output_mask):
+        _check_rank(op, grad_output.dim(), spatial + 1, True)
+        batch = interp.batch_size
+        options = (mode, padding, align_corners)
+        if not interp.is_batched(grid) and not output_mask[1]:
+            go, x = (_dense(interp, t).movedim(0, 1).flatten(1, 2) for t in (grad_output, input))
+            grad_input = op(go, x, grid, *options, [True, False])[0]
+            return interp.wrap(grad_input.unflatten(1, (batch, input.shape[1])).movedim(1, 0)), None
+        if not interp.is_batched(input) and not output_mask[0]:
+            go = _dense(interp, grad_output).movedim(0, 2).flatten(2, 3)
+            g = _dense(interp, grid).movedim(0, 1).flatten(1, 2)
+            grad_grid = op(go, input, g, *options, [False, True])[1]
+            return None, interp.wrap(grad_grid.unflatten(1, (batch, grid.shape[1])).movedim(1, 0))
+        args = (grad_output, input, grid, *options, output_mask)
+        return _fold_call(interp, op, args, {}, (0, 1, 2), spatial + 1, True)
+
+    rule.__name__ = f"fold_{op.__name__}"
+    return rule
+
+
+for _forward, _backward, _spatial in [
+    (aten.grid_sampler_2d, aten.grid_sampler_2d_backward, 2),
+    (aten.grid_sampler_3d, aten.grid_sampler_3d_backward, 3),
+]:
+    VMAP_RULES.set(_forward.default, _grid_sampler_rule(_forward.default, _spatial))
+    VMAP_RULES.set(_backward.default, _grid_sampler_backward_rule(_backward.default, _spatial))
