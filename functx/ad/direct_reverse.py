@@ -150,9 +150,9 @@ class DirectGradLevel(ADLevel):
                 assert len(self.vmap_levels) == 1 and type(rows) is VmapInterpreter, "only as jacrev calls it"
             pairs = []
             for out, cot in zip(outputs, cotangents):
-                out = self.tracked(out)
-                if not out.requires_grad:
+                if not self.depends(out):
                     continue  # an output independent of the (per-element) leaves adds nothing
+                out = self.tracked(out)
                 pairs.append((out, self._physical_cotangent(cot, out, rows)))
             physical_leaves = [self.tracked(x) for x in leaves]
         if pairs:
@@ -189,7 +189,13 @@ class DirectGradLevel(ADLevel):
         return BatchedTensor(value, rows)
 
     def depends(self, output) -> bool:
-        """Whether `output` depends on this level's differentiated inputs."""
+        """Whether `output` may depend on this level's differentiated inputs. Its tensor may
+        require grad for an outer level alone (a tensor an outermost grad level tracks, closed
+        over by the function): below vmap levels, only a tensor batched at every one of them
+        can depend on the leaves, which are; one that is not has no batch dim of this level's
+        physical tensors to take a per-element cotangent for."""
+        if not is_batched_everywhere(self.vmap_levels, output):
+            return False
         return self.tracked(output).requires_grad
 
     def export(self, tree):
