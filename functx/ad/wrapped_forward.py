@@ -156,9 +156,15 @@ def _levels(x) -> set:
 
 
 def _tangent_like(like, primal, old):
-    """Zeros laid out like `primal`, made through `primal`'s levels (so they are a tensor of
-    each of them), holding `old` if there is one."""
-    tangent = _zeros_like_layout(like, primal)
+    """Zeros laid out like `primal`, made through `primal`'s levels and `like`'s (a tensor, or
+    a list of tensors whose levels the zeros must all take), holding `old` if there is one."""
+    if type(like) is not list:
+        tangent = _zeros_like_layout(like, primal)
+    else:
+        tangent = _zeros_like_layout(like[0], primal)
+        for other in like[1:]:
+            if not _levels(other) <= _levels(tangent):
+                tangent = _zeros_like_layout(other, tangent)  # laid out like `tangent`, so like `primal`
     return tangent if old is None else tangent.copy_(old)
 
 
@@ -374,7 +380,8 @@ class WrappedJvpLevel(WrappedLevel):
                 f"support; use the out-of-place form."
             )
         if mutated is not None:
-            tangents[mutated] = self._tangent_for_write(args[mutated], tangents[mutated], tangents)
+            written = _written_tangents(primals, tangents, kw_primals, kw_tangents, mutated)
+            tangents[mutated] = self._tangent_for_write(args[mutated], tangents[mutated], written)
         carrier = None if not self.nested and _all_plain(primals, kw_primals) else self
         try:
             with _restore_autograd(), _views_tracked(), _forward_ad_on():
@@ -519,23 +526,31 @@ class WrappedJvpLevel(WrappedLevel):
             return DualTensor(out, out_tangent, self)
         return type(out)(self._wrap_pairs(o, t) for o, t in zip(out, out_tangent))
 
-    def _tangent_for_write(self, target: DualTensor, tangent, tangents):
+    def _tangent_for_write(self, target: DualTensor, tangent, written):
         """The tangent an in-place op on `target` writes into: its own, if it lives at every
-        level the primal lives at (the op writes values of those levels into it: a tangent
-        batched at fewer vmap levels than its primal, or plain under a grad level, could not
-        take them); otherwise zeros of those levels (plus the old tangent). For a view, that
-        happens to its base (the write lands in the base's tangent, as the value lands in
-        the base), and the view's tangent is its part of the base's."""
-        if tangent is not None and _levels(target._value) <= _levels(tangent):
+        level the primal lives at and every level of the tangents `written` into it (the op
+        writes values of those levels into it: a tangent batched at fewer vmap levels than
+        its primal or than the tangent copied in, or plain under a grad level, could not
+        take them); otherwise zeros of those levels (plus the old tangent). The written
+        tangents count on their own: under `jacfwd`, a clone's tangent can be plain below
+        the vmap while the tangent written into it is batched there (the primals of both
+        plain), so the primal's levels alone do not say it. For a view, that happens to its
+        base (the write lands in the base's tangent, as the value lands in the base), and
+        the view's tangent is its part of the base's."""
+        needed = _levels(target._value)
+        for t in written:
+            needed |= _levels(t)
+        if tangent is not None and needed <= _levels(tangent):
             return tangent
-        like = tangent if tangent is not None else next(t for t in tangents if t is not None)
+        # tangents laid out like this one's primal, through the levels each of them lives at
+        likes = [t for t in (tangent, *written) if t is not None]
         base = target._base if target._is_view() else None
         with _as_outside():
             if type(base) is DualTensor and base._interp is self:
-                base._tangent = _tangent_like(like, base._value, tangent_of(base))
+                base._tangent = _tangent_like(likes, base._value, tangent_of(base))
                 target._tangent = _view_like(base._tangent, base, target)
             else:
-                target._tangent = _tangent_like(like, target._value, tangent)
+                target._tangent = _tangent_like(likes, target._value, tangent)
         return target._tangent
 
     def _write_back(self, target: DualTensor, tangent, dual):
@@ -570,6 +585,19 @@ class _DualList:
 
 
 _LIST_MARK = object()
+
+
+def _written_tangents(primals, tangents, kw_primals, kw_tangents, mutated):
+    """The tangents an in-place op writes into its target's tangent: those of every argument
+    but the target (list elements included)."""
+    written = []
+    for values, marks in ((primals, tangents), (kw_primals, kw_tangents)):
+        for i, (p, t) in enumerate(zip(values, marks)):
+            if t is _LIST_MARK:
+                written.extend(e for e in p.tangents if e is not None)
+            elif t is not None and not (values is primals and i == mutated):
+                written.append(t)
+    return written
 
 
 def _plain(x) -> bool:

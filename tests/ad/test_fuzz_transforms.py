@@ -1063,3 +1063,33 @@ def test_regression_vjp_of_jacrev_of_vmap_write_into_clone_of_batched_input():
     tensor": vmap now lifts the value under its target into the wrapped levels below too."""
     program = Program([(3,), (3,)], [Op("clone_add_", j=1), Op("sin")])
     check(Case(program, [T("vjp", seed=0), T("jacrev", argnums=1), T("vmap", in_dims=(0, None), out_dims=0, size=1)]))
+
+
+def test_regression_vjp_of_vmap_of_hessian_gradient_independent_of_batched_leaf():
+    """vjp(vmap(in_dims=(0, None))(hessian(argnums=1, mix=True))): the outer jacrev of the
+    hessian is direct on vmap's physical tensors, and the inner gradient,
+    `(1 + 0.5 sin(x1)) * weight`, does not depend on its leaf but requires grad for the
+    outermost (direct) vjp level, which tracks x1; it is not batched at the vmap level. The
+    direct level took `requires_grad` for "depends on my leaves" and built a per-element
+    cotangent for a physical tensor without the batch dim (an `expand` error): an output
+    not batched at every vmap level under a direct level cannot depend on its leaves."""
+    program = Program([(3,), (3,)], [Op("clone_mul_", seed=0), Op("sin"), Op("binary", kind="add", j=1)])
+    check(
+        Case(
+            program,
+            [T("vjp", seed=0), T("vmap", in_dims=(0, None), out_dims=0, size=1), T("hessian", argnums=1, seed=0, mix=True)],
+            seed=0,
+        )
+    )
+
+
+def test_regression_jacfwd_of_jvp_of_jvp_write_into_clone_whose_tangent_is_unbatched():
+    """jacfwd over jvp over jvp: `w = (x0**2).sum()`, `w.sin_()`, `w2 = w.clone()`,
+    `w2.mul_(C)`. The innermost jvp's formula for `sin_` writes its new tangent into w's
+    tangent in place; one level down that tangent's own tangent at jacfwd's jvp level was
+    plain (unbatched at jacfwd's vmap) while the tangent written into it was batched, and
+    both primals were plain, so `_tangent_for_write`, which looked only at the target's
+    primal levels, kept the plain tangent and vmap refused the batched `copy_` into it. The
+    target's tangent must also live at every level of the tangents written into it."""
+    program = Program([(3,)], [Op("pow", p=2), Op("sum", dim=None), Op("clone_sin_"), Op("clone_mul_", seed=0)])
+    check(Case(program, [T("jacfwd", argnums=0), T("jvp", seed=0), T("jvp", seed=0)], seed=0))
