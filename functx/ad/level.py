@@ -72,6 +72,9 @@ class WrappedLevel(ADLevel):
     its function runs, the tensors made there are its own (lifting.py)."""
 
     __slots__ = ("_lifting",)
+    # torch function -> rule(level, args, kwargs), tried before the function runs (and
+    # decomposes into ATen ops); a rule returns NotImplemented for arguments it does not take
+    torch_function_rules: dict = {}
 
     def pushed(self):
         self._lifting = FactoryLifting(self)

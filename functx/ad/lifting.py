@@ -39,13 +39,20 @@ from ..core.level_tensor import level_of
 
 class FactoryLifting(TorchFunctionMode):
     """While a wrapped AD level's function runs: floating-point tensors that factories make
-    (or `clone` makes of values from outside) become constants of the level."""
+    (or `clone` makes of values from outside) become constants of the level. Since the mode
+    sees every torch call of the function anyway, a level may also take whole composite ops
+    here, before they decompose (`level.torch_function_rules`)."""
 
     def __init__(self, level):
         super().__init__()
         self.level = level
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        rule = self.level.torch_function_rules.get(func)
+        if rule is not None:  # a whole composite op at once (wrapped_forward.py: matmul)
+            out = rule(self.level, args, kwargs or {})
+            if out is not NotImplemented:
+                return out
         out = func(*args, **(kwargs or {}))
         if (
             func in FACTORIES

@@ -255,6 +255,67 @@ def _added_product_jvp(product):
     return jvp
 
 
+def _plain_operands(level, tensors):
+    """`(values, tangents)` when every tensor is this level's `DualTensor` over a plain value
+    or a plain tensor, and no AD level lies below; else None."""
+    if level.nested:
+        return None
+    values, tangents = [], []
+    for t in tensors:
+        if type(t) is DualTensor and t._interp is level and not isinstance(t._value, LevelTensor):
+            values.append(t._value)
+            tangents.append(t._tangent if t._tangent is not None else tangent_of(t))
+        elif isinstance(t, torch.Tensor) and not isinstance(t, LevelTensor):
+            values.append(t)
+            tangents.append(None)
+        else:
+            return None
+    return values, tangents
+
+
+def _matmul_rule(level, args, kwargs):
+    """`torch.matmul` of plain operands in one step: 1-d operands decompose into unsqueeze,
+    mm and an in-place squeeze, three dispatches at this level (~45 µs) for one product."""
+    if kwargs or len(args) != 2:
+        return NotImplemented
+    operands = _plain_operands(level, args)
+    if operands is None:
+        return NotImplemented
+    (a, b), (a_t, b_t) = operands
+    if a_t is None and b_t is None:
+        return NotImplemented
+    return DualTensor(torch.matmul(a, b), _product_tangent(torch.matmul, a, b, a_t, b_t), level)
+
+
+def _linear_arguments(input, weight, bias=None):
+    return input, weight, bias
+
+
+def _linear_rule(level, args, kwargs):
+    """`F.linear(x, w, b)` = x w^T + b of plain operands in one step (see `_matmul_rule`)."""
+    try:
+        x, w, bias = _linear_arguments(*args, **kwargs)
+    except TypeError:
+        return NotImplemented
+    operands = _plain_operands(level, (x, w) if bias is None else (x, w, bias))
+    if operands is None or all(t is None for t in operands[1]):
+        return NotImplemented
+    values, tangents = operands
+    out = torch.nn.functional.linear(*values)
+    tangent = _product_tangent(torch.nn.functional.linear, values[0], values[1], tangents[0], tangents[1])
+    if bias is not None and tangents[2] is not None:
+        tangent = tangents[2].expand_as(out).clone() if tangent is None else tangent + tangents[2]
+    return DualTensor(out, tangent, level)
+
+
+_TORCH_FUNCTION_RULES = {
+    torch.matmul: _matmul_rule,
+    torch.Tensor.matmul: _matmul_rule,
+    torch.Tensor.__matmul__: _matmul_rule,
+    torch.nn.functional.linear: _linear_rule,
+}
+
+
 _MATMUL_JVPS = {
     torch.ops.aten.mm.default: _mm_jvp(torch.mm),
     torch.ops.aten.bmm.default: _mm_jvp(torch.bmm),
@@ -291,6 +352,7 @@ class WrappedJvpLevel(WrappedLevel):
     """One `jvp` level over wrapper tensors (see the module docstring)."""
 
     __slots__ = ("nested",)
+    torch_function_rules = _TORCH_FUNCTION_RULES
 
     def __init__(self):
         super().__init__()

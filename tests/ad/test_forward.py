@@ -225,6 +225,13 @@ _PRODUCTS = {
     "addmm": (lambda c, a, b: torch.addmm(c, a, b), [(3, 5), (3, 4), (4, 5)]),
     "addmm broadcast c": (lambda c, a, b: torch.addmm(c, a, b), [(5,), (3, 4), (4, 5)]),
     "addmm beta alpha": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=-2.0), [(3, 5), (3, 4), (4, 5)]),
+    "matmul 1-d @ 1-d": (lambda a, b: torch.matmul(a, b), [(4,), (4,)]),
+    "matmul 1-d @ 2-d": (lambda a, b: a @ b, [(4,), (4, 5)]),
+    "matmul 2-d @ 1-d": (lambda a, b: a.matmul(b), [(3, 4), (4,)]),
+    "matmul 3-d @ 2-d": (lambda a, b: a @ b, [(2, 3, 4), (4, 5)]),
+    "matmul broadcast batch": (lambda a, b: a @ b, [(2, 1, 3, 4), (5, 4, 2)]),
+    "linear no bias": (lambda x, w: torch.nn.functional.linear(x, w), [(3, 4), (5, 4)]),
+    "linear keywords": (lambda x, w, b: torch.nn.functional.linear(x, weight=w, bias=b), [(3, 4), (5, 4), (5,)]),
     "linear 1-d": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(4,), (5, 4), (5,)]),
     "linear 2-d": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(3, 4), (5, 4), (5,)]),
 }
