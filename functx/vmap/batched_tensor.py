@@ -97,8 +97,15 @@ class VmapInterpreter(Interpreter):
             # apart from a user's detach here, before the outside dispatch state is restored.
             return BatchedTensor(args[0]._value, self)
         mutated = mutated_argument(op)
-        if mutated is not None and type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
-            promote_for_write(args[mutated], args)
+        if mutated is not None:
+            if type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
+                promote_for_write(args[mutated], args)
+            elif self.direct_ad is not None:
+                unlifted = _unlifted_fresh_constants(args, mutated)
+                if unlifted is not args and not any(self.is_batched(a) for a in unlifted):
+                    with _restore_autograd():  # nothing batched is written: not this level's op
+                        return op(*unlifted, **kwargs)
+                args = unlifted
         handler = VMAP_RULES.handler(op)
         direct = self.direct_ad
         if direct is not None and direct.forward_mode:
@@ -148,6 +155,23 @@ class VmapInterpreter(Interpreter):
             return type(out)(BatchedTensor(o, self) if isinstance(o, torch.Tensor) else o for o in out)
         return out
 
+
+
+def _unlifted_fresh_constants(args, mutated):
+    """A write into a tensor not batched here, of values that include a buffer the function
+    made and a direct AD level batched (vmap/randomness.py `_lift_buffer`): while nothing has
+    written into that buffer, every element holds the same value, the factory's, which is
+    written instead (`captured.copy_(torch.zeros(3))` inside `vmap(grad(f))` stays legal)."""
+    new = None
+    for i, a in enumerate(args):
+        origin = getattr(a, "_fresh_origin", None) if i != mutated and type(a) is BatchedTensor else None
+        if origin is not None:
+            value, physical, version = origin
+            if physical._version == version:
+                if new is None:
+                    new = list(args)
+                new[i] = value
+    return args if new is None else tuple(new)
 
 
 def _fallback_factory(op):

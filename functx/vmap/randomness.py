@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.factories import FACTORIES
 from ..core.level_tensor import LevelTensor, level_of
 from .autograd_calls import route_autograd_grad, route_backward
+from .chain import peel
 
 RANDOMNESS_MODES = ("error", "different", "same")
 
@@ -111,7 +112,11 @@ def _lift_buffer(interp, direct, out):
         and type(out) is torch.Tensor
         and (out.is_floating_point() or out.is_complex())
     ):
-        return direct.lift_buffer(out)
+        lifted = direct.lift_buffer(out)
+        physical = peel(direct.vmap_levels, lifted)
+        # while unwritten, it still stands for `out` (batched_tensor._unlifted_fresh_constants)
+        lifted._fresh_origin = (out, physical, physical._version)
+        return lifted
     return out
 
 

@@ -212,3 +212,31 @@ def test_buffers_stay_unbatched_where_no_input_was_batched_for_its_derivative():
     with pytest.raises(RuntimeError, match="not batched"):
         functx.vmap(functx.grad(f))(x)
     assert current_stack() == ()
+
+
+def test_untouched_fresh_constants_may_still_be_written_into_captured_tensors():
+    """The buffers batched for a direct level stand for the factory's value while nothing
+    wrote into them: writing them into a tensor from outside the function works, as it did
+    before they were batched (torch.func refuses any such write inside grad); once written
+    into, they differ per element, and the write is refused."""
+    captured = torch.full((4,), 7.0, dtype=D)
+
+    def f(p, x):
+        buf = torch.zeros(4, dtype=D)
+        captured.copy_(torch.ones(4, dtype=D))
+        captured.add_(torch.full((4,), 2.0, dtype=D))
+        return ((buf + p).sin() * x).sum()
+
+    p, x = torch.randn(4, dtype=D), torch.randn(3, 4, dtype=D)
+    torch.testing.assert_close(functx.vmap(functx.grad(f), in_dims=(None, 0))(p, x), p.cos() * x)
+    torch.testing.assert_close(captured, torch.full((4,), 3.0, dtype=D))
+
+    def h(p, x):
+        buf = torch.zeros(4, dtype=D)
+        buf.copy_(p)  # each element's buffer now holds its own copy of p
+        captured.copy_(buf)
+        return (buf * x).sum()
+
+    with pytest.raises(RuntimeError, match="not batched"):
+        functx.vmap(functx.grad(h), in_dims=(None, 0))(p, x)
+    assert current_stack() == ()
