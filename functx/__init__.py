@@ -4,7 +4,7 @@ The public API mirrors `torch.func`: replacing `torch.func` by `functx` in worki
 keeps it working.
 """
 
-from .core import PerformanceWarning, set_vmap_fallback, vmap_fallback
+from .core import PerformanceWarning, debug_unwrap, set_vmap_fallback, vmap_fallback
 from . import library, nn
 from .nn import (
     combine_state_for_ensemble,
@@ -21,4 +21,4 @@ from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, v
 
 __version__ = "0.1.0"
 
-__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap"]

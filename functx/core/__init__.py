@@ -4,7 +4,7 @@ from . import custom_function  # noqa: F401  (installs functx's Function.apply)
 from .config import set_vmap_fallback, vmap_fallback
 from .errors import PerformanceWarning
 from .interpreter import Interpreter, current_stack, interpreting, top_interpreter
-from .level_tensor import LevelTensor
+from .level_tensor import LevelTensor, debug_unwrap
 from .rules import RuleTable
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "PerformanceWarning",
     "RuleTable",
     "current_stack",
+    "debug_unwrap",
     "interpreting",
     "set_vmap_fallback",
     "top_interpreter",

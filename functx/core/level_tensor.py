@@ -124,6 +124,25 @@ def promote_for_write(target, args) -> None:
     target._value = value
 
 
+def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
+    """The tensor under a transform's wrapper (vmap: the physical tensor, batch dims in front;
+    jvp: the primal; grad: the value one level down), all the way down with `recurse=True`,
+    one level with `recurse=False`; any other tensor as it is. For debugging (printing a
+    value in a debugger), as `torch.func.debug_unwrap`: computing with the result inside the
+    transformed function bypasses the transforms.
+
+    Example:
+        >>> import torch, functx
+        >>> functx.vmap(lambda t: torch.tensor(functx.debug_unwrap(t).dim()))(torch.ones(3, 4))
+        tensor([2, 2, 2])
+    """
+    while isinstance(tensor, LevelTensor):
+        tensor = tensor._value
+        if not recurse:
+            break
+    return tensor
+
+
 def unwrap_dead(x):
     """Strip the wrappers of finished transforms from `x` (a tensor, list or tuple)."""
     while isinstance(x, LevelTensor) and not x._interp.alive:
@@ -211,4 +230,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "debug_unwrap", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]

@@ -98,3 +98,25 @@ def test_tensor_escaping_an_inner_vmap_into_an_enclosing_grad_is_refused():
     with pytest.raises(DeadLevelError, match="escaped"):
         functx.grad(outer)(torch.ones(3, 4))
     assert current_stack() == ()
+
+
+@pytest.mark.parametrize("recurse", [True, False])
+def test_debug_unwrap_as_torch_func(recurse):
+    """The tensor under the wrappers: under vmap of vmap, the rank of what is unwrapped (one
+    level or all) is torch.func's; under jvp the primal, under grad the value; a plain tensor
+    is returned as it is."""
+    import torch.func as tf
+
+    def ranks(lib):
+        return lib.vmap(lib.vmap(lambda t: torch.tensor(lib.debug_unwrap(t, recurse=recurse).dim())))(torch.randn(2, 3, 4))
+
+    torch.testing.assert_close(ranks(functx), ranks(tf))
+    x = torch.randn(3)
+    seen = []
+    functx.jvp(lambda t: (seen.append(functx.debug_unwrap(t, recurse=recurse)), t.sin())[1], (x,), (torch.ones(3),))
+    functx.grad(lambda t: functx.grad(lambda u: (seen.append(functx.debug_unwrap(u)), u.sin().sum())[1])(t).sum())(x)
+    for value in seen:
+        assert type(value) is torch.Tensor
+        torch.testing.assert_close(value.detach(), x)
+    plain = torch.ones(2)
+    assert functx.debug_unwrap(plain) is plain
