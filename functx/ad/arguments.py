@@ -1,10 +1,13 @@
-"""Argument handling shared by the AD transforms: argnums, pytrees of tensors, levels."""
+"""Argument handling shared by the AD transforms: argnums, pytrees of tensors, levels.
+
+Pytrees are flattened with `core.pytree` (optree, seeing torch's pytree registrations too),
+once per transform call; levels are handed flat lists of leaves."""
 
 from __future__ import annotations
 
-import optree
 import torch
 
+from ..core import pytree
 
 
 def check_argnums(argnums, num_args: int, api: str):
@@ -47,8 +50,9 @@ def replace_argnums(args, argnums, new):
     return tuple(args)
 
 
-def make_differentiable(tree, level, api: str):
-    """Every leaf of `tree` as an input `level` differentiates with respect to."""
+def make_differentiable(flat, level, api: str) -> list:
+    """Every tensor of `flat` (the differentiated arguments' leaves) as an input `level`
+    differentiates with respect to."""
 
     def leaf(x):
         if not isinstance(x, torch.Tensor):
@@ -60,7 +64,7 @@ def make_differentiable(tree, level, api: str):
             )
         return level.leaf(x)
 
-    return optree.tree_map(leaf, tree)
+    return [leaf(x) for x in flat]
 
 
 def check_outputs(flat_out, output, api: str) -> None:
@@ -75,7 +79,7 @@ def check_outputs(flat_out, output, api: str) -> None:
 def check_aux(aux) -> None:
     """`aux` (what a has_aux function returns beside its output) holds only tensors, in any
     containers: torch.func refuses every other leaf, None and python numbers included."""
-    for leaf in optree.tree_leaves(aux, none_is_leaf=True):
+    for leaf in pytree.tree_leaves(aux, none_is_leaf=True):
         if not isinstance(leaf, torch.Tensor):
             raise RuntimeError(f"Expected tensors, got unsupported type {type(leaf)}")
 
@@ -89,3 +93,9 @@ def identity_rows(flat, start, stop):
     rows = torch.zeros(n, sum(sizes), dtype=flat[0].dtype, device=flat[0].device)
     rows[torch.arange(n), torch.arange(start, stop)] = 1
     return [piece.to(t.dtype).view(n, *t.shape) for piece, t in zip(rows.split(sizes, dim=1), flat)]
+
+
+def export(level, tree):
+    """`level.export` of a pytree (aux values): the levels see flat lists of leaves."""
+    flat, spec = pytree.tree_flatten(tree, none_is_leaf=True)
+    return pytree.tree_unflatten(spec, level.export(flat))

@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import warnings
 
-import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
+from ..core import pytree
 from ..core.errors import PerformanceWarning
 from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
@@ -37,7 +37,7 @@ def _tangent_map(vjp_fn, flat_out, out_spec):
 
     def jvp_fn(flat_tangents):
         def pairing(*cotangent):
-            grads = optree.tree_leaves(vjp_fn(optree.tree_unflatten(out_spec, list(cotangent)), create_graph=True))
+            grads = pytree.tree_leaves(vjp_fn(pytree.tree_unflatten(out_spec, list(cotangent)), create_graph=True))
             total = 0
             for g, t in zip(grads, flat_tangents):
                 if t.is_inference():  # made under torch.inference_mode(): cannot be saved for backward
@@ -54,8 +54,8 @@ def _tangent_map(vjp_fn, flat_out, out_spec):
 def _check_primals_tangents(primals, tangents, api):
     if not isinstance(primals, tuple):
         raise RuntimeError(f"{api}: Expected primals to be a tuple. E.g. it should be valid to call f(*primals).")
-    flat_primals, primals_spec = optree.tree_flatten(primals)
-    flat_tangents, tangents_spec = optree.tree_flatten(tangents)
+    flat_primals, primals_spec = pytree.tree_flatten(primals)
+    flat_tangents, tangents_spec = pytree.tree_flatten(tangents)
     if primals_spec != tangents_spec:
         raise RuntimeError(
             f"{api}: Expected primals and tangents to have the same python structure. For example, "
@@ -81,7 +81,7 @@ def _check_primals_tangents(primals, tangents, api):
 def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
     output does not depend on the primals, output structure, aux)."""
-    flat_primals, primals_spec = optree.tree_flatten(primals)
+    flat_primals, primals_spec = pytree.tree_flatten(primals)
     for p in flat_primals:
         if not (p.is_floating_point() or p.is_complex()):
             raise RuntimeError(
@@ -93,19 +93,19 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
     with outside_inference_mode(), dual_level(), _set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():
             duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]
-        output, aux = _split_aux(func(*optree.tree_unflatten(primals_spec, duals)), has_aux, api)
+        output, aux = _split_aux(func(*pytree.tree_unflatten(primals_spec, duals)), has_aux, api)
         with functx_code():
-            flat_out, out_spec = optree.tree_flatten(output)
+            flat_out, out_spec = pytree.tree_flatten(output)
             check_outputs(flat_out, output, api)
             pairs = [level.unpack(o) for o in flat_out]
-            aux = optree.tree_map(lambda a: level.unpack(a)[0] if isinstance(a, torch.Tensor) else a, aux)
+            aux = pytree.tree_map(lambda a: level.unpack(a)[0] if isinstance(a, torch.Tensor) else a, aux)
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
 def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api):
     """The same as `_forward_jvp`, by the double-VJP identity (reverse mode only)."""
     output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
-    flat_out, out_spec = optree.tree_flatten(output)
+    flat_out, out_spec = pytree.tree_flatten(output)
     tangents = _tangent_map(vjp_fn, flat_out, out_spec)(flat_tangents)
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
@@ -145,8 +145,8 @@ def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
         of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP
     )
     missing = object()  # an output with no tangent (None is not a pytree leaf)
-    tangents = optree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
-    return optree.tree_unflatten(out_spec, flat_out), optree.tree_map(lambda t: None if t is missing else t, tangents)
+    tangents = pytree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
+    return pytree.tree_unflatten(out_spec, flat_out), pytree.tree_map(lambda t: None if t is missing else t, tangents)
 
 
 wrapped_forward.op_jvp_without_formula = jvp_by_double_vjp  # the levels sit below the transforms
@@ -171,8 +171,8 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
             "This is not allowed with strict=True."
         )
     flat_tangent_out = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
-    output = optree.tree_unflatten(out_spec, flat_out)
-    tangent_out = optree.tree_unflatten(out_spec, flat_tangent_out)
+    output = pytree.tree_unflatten(out_spec, flat_out)
+    tangent_out = pytree.tree_unflatten(out_spec, flat_tangent_out)
     return (output, tangent_out, aux) if has_aux else (output, tangent_out)
 
 
@@ -189,12 +189,12 @@ def linearize(func, *primals):
     """
     api = "linearize(func, *primals)"
     output, vjp_fn, _ = _vjp_with_argnums(func, primals, {}, None, False, api)
-    flat_out, out_spec = optree.tree_flatten(output)
+    flat_out, out_spec = pytree.tree_flatten(output)
     tangent_map = _tangent_map(vjp_fn, flat_out, out_spec)
 
     def jvp_fn(*tangents):
         flat_tangents = _check_primals_tangents(primals, tangents, api)
-        return optree.tree_unflatten(out_spec, tangent_map(flat_tangents))
+        return pytree.tree_unflatten(out_spec, tangent_map(flat_tangents))
 
     return output, jvp_fn
 
@@ -219,7 +219,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
         api = "jacfwd(f, argnums)"
         checked = check_argnums(argnums, len(args), api)
         diff = select_argnums(args, checked)
-        flat_diff, diff_spec = optree.tree_flatten(diff)
+        flat_diff, diff_spec = pytree.tree_flatten(diff)
         for x in flat_diff:
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(x)}")
@@ -227,7 +227,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
                 raise RuntimeError("jacfwd: Expected all inputs to be real but received complex tensor")
 
         def of_diff(*flat):
-            return func(*replace_argnums(args, checked, optree.tree_unflatten(diff_spec, list(flat))), **kwargs)
+            return func(*replace_argnums(args, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
         def push_jvp(*basis):
             flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")
@@ -235,14 +235,14 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
                 if out.is_complex():
                     raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")
             tangents = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents)]
-            return optree.tree_unflatten(out_spec, tangents), aux
+            return pytree.tree_unflatten(out_spec, tangents), aux
 
         total = sum(x.numel() for x in flat_diff)
         if total == 0:  # no columns: one JVP (zero tangents) gives the outputs' shapes and aux
             with functx_code():
                 zeros = [torch.zeros_like(x) for x in flat_diff]
             columns, aux = push_jvp(*zeros)
-            flat_cols, out_spec = optree.tree_flatten(columns)
+            flat_cols, out_spec = pytree.tree_flatten(columns)
             with functx_code():
                 flat_cols = [c.unsqueeze(0)[:0] for c in flat_cols]
         else:
@@ -255,10 +255,10 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
                 chunks.append(vmap(push_jvp, randomness=randomness, out_dims=(0, 0 if has_aux else None))(*basis))
             columns, aux = chunks[0]
             # aux does not depend on the basis: every batch element is the same
-            aux = optree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
-            flat_cols, out_spec = optree.tree_flatten(columns)
+            aux = pytree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
+            flat_cols, out_spec = pytree.tree_flatten(columns)
             if len(chunks) > 1:  # (total, *out.shape) per output
-                flat_cols = [torch.cat(parts) for parts in zip(*(optree.tree_leaves(c) for c, _ in chunks))]
+                flat_cols = [torch.cat(parts) for parts in zip(*(pytree.tree_leaves(c) for c, _ in chunks))]
         per_output = []
         for col in flat_cols:
             out_shape = col.shape[1:]
@@ -269,8 +269,8 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
                 )
                 for p, x in zip(pieces, flat_diff)
             ]
-            per_output.append(optree.tree_unflatten(diff_spec, leaves))
-        jacobian = optree.tree_unflatten(out_spec, per_output)
+            per_output.append(pytree.tree_unflatten(diff_spec, leaves))
+        jacobian = pytree.tree_unflatten(out_spec, per_output)
         return (jacobian, aux) if has_aux else jacobian
 
     return wrapper

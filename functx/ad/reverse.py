@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 
-import optree
 import torch
 
+from ..core import pytree
 from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (
     check_argnums,
     check_aux,
     check_outputs,
+    export,
     identity_rows,
     make_differentiable,
     replace_argnums,
@@ -39,29 +40,26 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
     caller calls `vjp_fn` only as jacrev does (see DirectGradLevel.vjp), so right inside
     vmap the level may run on vmap's physical tensors."""
     with functx_code():
-        differentiated = args if argnums is None else select_argnums(args, check_argnums(argnums, len(args), api))
-        level = choose_level(transform, differentiated)
+        if argnums is not None:
+            argnums = check_argnums(argnums, len(args), api)
+        flat_args, diff_spec = pytree.tree_flatten(args if argnums is None else select_argnums(args, argnums))
+        level = choose_level(transform, flat_args)
     with interpreting(level), recording():
         with functx_code():
-            if argnums is None:
-                diff = make_differentiable(args, level, api)
-                call_args = diff
-            else:
-                argnums = check_argnums(argnums, len(args), api)
-                diff = make_differentiable(select_argnums(args, argnums), level, api)
-                call_args = replace_argnums(args, argnums, diff)
+            flat_diff = make_differentiable(flat_args, level, api)
+            diff = pytree.tree_unflatten(diff_spec, flat_diff)
+            call_args = diff if argnums is None else replace_argnums(args, argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
         with functx_code():
-            flat_out, out_spec = optree.tree_flatten(output)
+            flat_out, out_spec = pytree.tree_flatten(output)
             check_outputs(flat_out, output, api)
-            flat_diff, diff_spec = optree.tree_flatten(diff)
             level.seal(flat_out, flat_diff)
-            result = level.export(output)
-            aux = level.export(aux)
+            result = pytree.tree_unflatten(out_spec, level.export(flat_out))
+            aux = export(level, aux)
 
     def vjp_fn(cotangents, retain_graph=True, create_graph=None):
         with functx_code():
-            flat_cot, cot_spec = optree.tree_flatten(cotangents)
+            flat_cot, cot_spec = pytree.tree_flatten(cotangents)
             if create_graph is None:
                 # torch.func's default is the grad mode; a plain level also needs something to
                 # differentiate the result: the outside graph or a differentiated cotangent.
@@ -83,7 +81,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
         with recording() if create_graph else torch.no_grad():
             grads = level.vjp(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
         with functx_code():
-            return optree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
+            return pytree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
 
     # Which outputs do not depend on the differentiated inputs (jvp's strict mode asks).
     vjp_fn.independent_outputs = [not level.depends(out) for out in flat_out]
@@ -126,10 +124,12 @@ def grad_and_value(func, argnums=0, has_aux=False):
     def wrapper(*args, **kwargs):
         with functx_code():
             checked = check_argnums(argnums, len(args), api)
-            level = choose_level("grad", select_argnums(args, checked))
+            flat_args, diff_spec = pytree.tree_flatten(select_argnums(args, checked))
+            level = choose_level("grad", flat_args)
         with interpreting(level), recording():
             with functx_code():
-                diff = make_differentiable(select_argnums(args, checked), level, api)
+                flat_diff = make_differentiable(flat_args, level, api)
+                diff = pytree.tree_unflatten(diff_spec, flat_diff)
             output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
             with functx_code():
                 if not isinstance(output, torch.Tensor):
@@ -139,14 +139,13 @@ def grad_and_value(func, argnums=0, has_aux=False):
                         f"{api}: Expected f(*args) to return a scalar Tensor, got tensor with "
                         f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
                     )
-                flat_diff, diff_spec = optree.tree_flatten(diff)
                 level.seal([output], flat_diff)
             grads = level.gradient(output, flat_diff)  # the backward may run user code
             with functx_code():
-                gradient = level.export(optree.tree_unflatten(diff_spec, list(grads)))
+                gradient = pytree.tree_unflatten(diff_spec, level.export(list(grads)))
                 value = level.export(output)
                 if has_aux:
-                    return gradient, (value, level.export(aux))
+                    return gradient, (value, export(level, aux))
                 return gradient, value
 
     return wrapper
@@ -182,12 +181,12 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
     shaped `output.shape + input.shape`), and the input structure."""
     total = sum(o.numel() for o in flat_out)
     step = max(total, 1) if chunk_size is None else chunk_size
-    one_vjp = lambda *cot: vjp_fn(optree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
+    one_vjp = lambda *cot: vjp_fn(pytree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
     flat_in, in_spec = None, None
     if total == 0:  # no rows: one VJP of the (empty) outputs gives the inputs' shapes
         with functx_code():
             zeros = [torch.zeros_like(o) for o in flat_out]
-        rows, in_spec = optree.tree_flatten(one_vjp(*zeros))
+        rows, in_spec = pytree.tree_flatten(one_vjp(*zeros))
         with functx_code():
             flat_in = [r.unsqueeze(0)[:0] for r in rows]
     for start in range(0, total, step):
@@ -195,10 +194,10 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
         with functx_code():
             basis = identity_rows(flat_out, start, stop)
         if stop - start == 1:  # one row (a scalar output): no need to vectorize
-            rows, spec = optree.tree_flatten(one_vjp(*(b[0] for b in basis)))
+            rows, spec = pytree.tree_flatten(one_vjp(*(b[0] for b in basis)))
             rows = [r.unsqueeze(0) for r in rows]
         else:
-            rows, spec = optree.tree_flatten(vmap(one_vjp)(*basis))
+            rows, spec = pytree.tree_flatten(vmap(one_vjp)(*basis))
         with functx_code():
             if flat_in is None:
                 if stop == total:
@@ -238,12 +237,12 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
     def wrapper(*args, **kwargs):
         api = "jacrev(f, argnums)"
         output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="jacrev")
-        flat_out, out_spec = optree.tree_flatten(output)
+        flat_out, out_spec = pytree.tree_flatten(output)
         for out in flat_out:
             if out.is_complex():
                 raise RuntimeError("jacrev: Expected all outputs to be real but received complex tensor")
         blocks, in_spec = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
-        jacobian = optree.tree_unflatten(out_spec, [optree.tree_unflatten(in_spec, b) for b in blocks])
+        jacobian = pytree.tree_unflatten(out_spec, [pytree.tree_unflatten(in_spec, b) for b in blocks])
         return (jacobian, aux) if has_aux else jacobian
 
     return wrapper

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import functools
 
-import optree
 import torch
 
+from ..core import pytree
 from ..core.interpreter import functx_code, interpreting
 from ..core.level_tensor import unwrap_dead
 from .batched_tensor import BatchedTensor, VmapInterpreter
@@ -18,8 +18,9 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
 
     `vmap(func)(*args)` runs `func` once on batched inputs and returns what a loop over
     the batch dimension would stack. Args and outputs may be pytrees (tuples, lists,
-    dicts); `in_dims` / `out_dims` are an int, None (not batched) or a prefix of the
-    args / outputs structure. Keyword arguments are passed unbatched. `randomness` is
+    dicts, namedtuples, containers registered with `torch.utils._pytree` or optree);
+    `in_dims` / `out_dims` are an int, None (not batched) or a prefix of the args /
+    outputs structure. Keyword arguments are passed unbatched. `randomness` is
     "error", "different" or "same"; `chunk_size` splits the batch into chunks of at most
     that many elements to bound memory (every chunk sees the same random numbers when
     randomness="same").
@@ -49,7 +50,9 @@ def _name(func) -> str:
     return getattr(func, "__name__", repr(func))
 
 
-def _describe_path(path) -> str:
+def _describe_leaf(spec, i) -> str:
+    """Where the args' leaf `i` is, for an error (paths are not computed otherwise)."""
+    path = spec.paths()[i]
     text = f"args[{path[0]}]"
     for key in path[1:]:
         text += f"[{key!r}]"
@@ -57,7 +60,7 @@ def _describe_path(path) -> str:
 
 
 def _flatten_in_dims(func, in_dims, args):
-    """Flat (arg, in_dim, path) triples; errors as torch.func words them."""
+    """Flat args, their in_dims and the args' structure; errors as torch.func words them."""
     if not isinstance(in_dims, (int, tuple)) or isinstance(in_dims, bool):
         raise ValueError(
             f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): expected `in_dims` to "
@@ -69,24 +72,23 @@ def _flatten_in_dims(func, in_dims, args):
             f"vmap({_name(func)})(<inputs>): got no inputs. Maybe you forgot to add inputs, "
             f"or you are trying to vmap over a function with no inputs. The latter is unsupported."
         )
-    if isinstance(in_dims, int):
-        in_dims = (in_dims,) * len(args)
-    paths, leaves, spec = optree.tree_flatten_with_path(args, none_is_leaf=True)
+    leaves, spec = pytree.tree_flatten(args, none_is_leaf=True)
+    if isinstance(in_dims, int):  # the common case: no prefix to broadcast
+        return leaves, [in_dims] * len(leaves), spec
     try:
-        dims_tree = optree.tree_broadcast_prefix(in_dims, args, none_is_leaf=True)
+        flat_dims = pytree.broadcast_prefix(in_dims, args, none_is_leaf=True)
     except ValueError:
         raise ValueError(
             f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): in_dims is not "
             f"compatible with the structure of `inputs`. in_dims has structure "
-            f"{optree.tree_structure(in_dims, none_is_leaf=True)} but inputs has structure {spec}."
+            f"{pytree.tree_structure(in_dims, none_is_leaf=True)} but inputs has structure {spec}."
         ) from None
-    flat_dims = optree.tree_leaves(dims_tree, none_is_leaf=True)
-    return paths, leaves, flat_dims, spec
+    return leaves, flat_dims, spec
 
 
-def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
+def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims) -> int:
     sizes = []
-    for path, arg, dim in zip(paths, leaves, flat_dims):
+    for i, (arg, dim) in enumerate(zip(leaves, flat_dims)):
         if dim is None:
             continue
         if not isinstance(dim, int) or isinstance(dim, bool):
@@ -102,7 +104,7 @@ def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
             )
         if arg.is_nested or arg.layout is not torch.strided:
             raise NotImplementedError(
-                f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): {_describe_path(path)} is a "
+                f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): {_describe_leaf(spec, i)} is a "
                 f"{'nested' if arg.is_nested else str(arg.layout)} tensor; functx.vmap maps over "
                 f"strided tensors only. For ragged samples, vmap over a padded strided tensor (with "
                 f"a mask), or loop over `tensor.unbind()`; sparse inputs: `.to_dense()`."
@@ -110,11 +112,11 @@ def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
         if not -arg.dim() <= dim < max(arg.dim(), 1) or arg.dim() == 0:
             raise ValueError(
                 f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for "
-                f"some input, but that input ({_describe_path(path)}) is a Tensor of "
+                f"some input, but that input ({_describe_leaf(spec, i)}) is a Tensor of "
                 f"dimensionality {arg.dim()} so expected in_dim to satisfy "
                 f"-{arg.dim()} <= in_dim < {arg.dim()}."
             )
-        sizes.append((path, arg.size(dim)))
+        sizes.append((i, arg.size(dim)))
     if not sizes:
         raise ValueError(
             f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): at least one input must "
@@ -123,7 +125,7 @@ def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
         )
     batch_size = sizes[0][1]
     if any(size != batch_size for _, size in sizes):
-        detail = ", ".join(f"{_describe_path(p)} has size {s}" for p, s in sizes)
+        detail = ", ".join(f"{_describe_leaf(spec, i)} has size {s}" for i, s in sizes)
         raise ValueError(
             f"vmap: Expected all tensors to have the same size in the mapped dimension, got "
             f"sizes {[s for _, s in sizes]} for the mapped dimension ({detail})."
@@ -132,8 +134,8 @@ def _check_and_batch_size(func, in_dims, paths, leaves, flat_dims) -> int:
 
 
 def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
-    paths, leaves, flat_dims, spec = _flatten_in_dims(func, in_dims, args)
-    batch_size = _check_and_batch_size(func, in_dims, paths, leaves, flat_dims)
+    leaves, flat_dims, spec = _flatten_in_dims(func, in_dims, args)
+    batch_size = _check_and_batch_size(func, in_dims, spec, leaves, flat_dims)
     if chunk_size is None or chunk_size >= batch_size:
         return _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs)
     return _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size)
@@ -151,17 +153,17 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
                 if d:  # for autograd.Function vmap rules, given the in_dim (custom_function.py)
                     b._vmap_input = (d % x.dim(), x, b._value)
         with RandomnessMode(interp):  # user code only
-            outputs = func(*optree.tree_unflatten(spec, batched), **kwargs)
+            outputs = func(*pytree.tree_unflatten(spec, batched), **kwargs)
         with functx_code():
             return _unbatch_outputs(func, outputs, out_dims, interp)
 
 
-def _flat_out_dims(func, out_dims, outputs):
-    """One out_dim per output leaf: `out_dims` is an int/None or a prefix of the outputs."""
-    n_leaves = optree.tree_structure(outputs, none_is_leaf=True).num_leaves
+def _flat_out_dims(func, out_dims, outputs, n_leaves):
+    """One out_dim per output leaf (`n_leaves` of them): `out_dims` is an int/None or a
+    prefix of the outputs."""
     if out_dims is None or (isinstance(out_dims, int) and not isinstance(out_dims, bool)):
         return [out_dims] * n_leaves
-    dim_leaves = optree.tree_leaves(out_dims, none_is_leaf=True)
+    dim_leaves = pytree.tree_leaves(out_dims, none_is_leaf=True)
     if not dim_leaves or any(d is not None and (not isinstance(d, int) or isinstance(d, bool)) for d in dim_leaves):
         raise ValueError(
             f"vmap({_name(func)}, ..., out_dims={out_dims}): `out_dims` must be an int, None or "
@@ -171,22 +173,22 @@ def _flat_out_dims(func, out_dims, outputs):
     if isinstance(out_dims, tuple) and len(out_dims) == 1 and not isinstance(outputs, tuple):
         out_dims = out_dims[0]  # torch.func accepts out_dims=(d,) for a single output
     try:
-        return optree.tree_leaves(optree.tree_broadcast_prefix(out_dims, outputs, none_is_leaf=True), none_is_leaf=True)
+        return pytree.broadcast_prefix(out_dims, outputs, none_is_leaf=True)
     except ValueError:
         raise ValueError(
             f"vmap({_name(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
             f"compatible with the structure of `outputs`. out_dims has structure "
-            f"{optree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure "
-            f"{optree.tree_structure(outputs, none_is_leaf=True)}."
+            f"{pytree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure "
+            f"{pytree.tree_structure(outputs, none_is_leaf=True)}."
         ) from None
 
 
 def _unbatch_outputs(func, outputs, out_dims, interp):
     # None is an output like any other (torch.func: it needs out_dim None)
-    flat_out, out_spec = optree.tree_flatten(outputs, none_is_leaf=True)
-    flat_out_dims = _flat_out_dims(func, out_dims, outputs)
+    flat_out, out_spec = pytree.tree_flatten(outputs, none_is_leaf=True)
+    flat_out_dims = _flat_out_dims(func, out_dims, outputs, len(flat_out))
     unbatched = [_unbatch(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
-    return optree.tree_unflatten(out_spec, unbatched)
+    return pytree.tree_unflatten(out_spec, unbatched)
 
 
 def _unbatch(func, out, out_dim, interp):
@@ -226,14 +228,14 @@ def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dim
         chunk_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
         size = next(s[c].size(d) for s, d in zip(split, flat_dims) if s is not None)
         chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
-    flat_chunks = [optree.tree_flatten(o, none_is_leaf=True) for o in chunk_outputs]
+    flat_chunks = [pytree.tree_flatten(o, none_is_leaf=True) for o in chunk_outputs]
     out_spec = flat_chunks[0][1]
-    flat_out_dims = _flat_out_dims(func, out_dims, chunk_outputs[0])
+    flat_out_dims = _flat_out_dims(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]))
     merged = [
         flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
         for i, d in enumerate(flat_out_dims)
     ]
-    return optree.tree_unflatten(out_spec, merged)
+    return pytree.tree_unflatten(out_spec, merged)
 
 
 __all__ = ["vmap", "RANDOMNESS_MODES"]

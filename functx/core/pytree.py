@@ -1,0 +1,143 @@
+"""Pytree helpers for the transforms: optree's, also seeing torch's pytree registrations.
+
+torch.func flattens with `torch.utils._pytree`, where user types, dataclasses
+(`register_dataclass`) and libraries register their containers; functx flattens with
+optree (C++, fast). Every type registered with torch's pytree and unknown to optree is
+registered here, lazily, with optree in functx's own namespace (`NAMESPACE`), through an
+adapter that calls torch's flatten / unflatten functions. So the transforms accept
+containers registered with either library, and still flatten in one optree call.
+
+The registration is synced when the number of torch's registered types changes: the hot
+path (one flatten per transform call, never per op) pays one `len()` comparison.
+
+Precedence: a type optree knows (built-in containers, namedtuples, structseqs, types
+registered in optree's global namespace or in `NAMESPACE`) is flattened as optree does;
+torch's registration is used for the others. To register a type for functx only, with
+optree: `optree.register_pytree_node(cls, flatten, unflatten, namespace="functx")`.
+
+Example:
+    >>> import torch, torch.utils._pytree as torch_pytree
+    >>> from functx.core import pytree
+    >>> class Pair:
+    ...     def __init__(self, a, b):
+    ...         self.a, self.b = a, b
+    >>> torch_pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda v, c: Pair(*v))
+    >>> leaves, spec = pytree.tree_flatten(Pair(torch.zeros(1), torch.ones(1)))
+    >>> [t.item() for t in leaves], type(pytree.tree_unflatten(spec, leaves)).__name__
+    ([0.0, 1.0], 'Pair')
+"""
+
+from __future__ import annotations
+
+import threading
+
+import optree
+import torch.utils._pytree as _torch_pytree
+
+__all__ = [
+    "NAMESPACE",
+    "broadcast_prefix",
+    "tree_flatten",
+    "tree_flatten_with_path",
+    "tree_leaves",
+    "tree_map",
+    "tree_structure",
+    "tree_unflatten",
+]
+
+NAMESPACE = "functx"
+
+_TORCH_NODES = _torch_pytree.SUPPORTED_NODES  # torch mutates this dict in place
+_lock = threading.Lock()
+_synced_len = -1  # len(_TORCH_NODES) when last synced
+_from_torch: dict[type, object] = {}  # types registered here -> torch's NodeDef then
+
+
+def _known_to_optree(cls) -> bool:
+    get = getattr(optree.register_pytree_node, "get", None)
+    if get is not None:  # built-ins, namedtuples, structseqs, globally or NAMESPACE-registered types
+        return get(cls, namespace=NAMESPACE) is not None
+    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", {})  # an older optree
+    return (
+        cls in registry
+        or (NAMESPACE, cls) in registry
+        or optree.is_namedtuple_class(cls)
+        or optree.is_structseq_class(cls)
+    )
+
+
+def _adapters(cls, node_def):
+    """optree's (flatten, unflatten) calling torch's functions for `cls`; looked up when
+    called, so a registration torch overwrites is followed."""
+
+    def flatten(node):
+        children, context = _TORCH_NODES.get(cls, node_def).flatten_fn(node)
+        return children, context
+
+    def unflatten(context, children):
+        return _TORCH_NODES.get(cls, node_def).unflatten_fn(list(children), context)
+
+    return flatten, unflatten
+
+
+def _sync() -> None:
+    """Register with optree (in NAMESPACE) the types torch's pytree knows and optree does
+    not; unregister those torch forgot."""
+    global _synced_len
+    with _lock:
+        nodes = dict(_TORCH_NODES)
+        for cls in [c for c in _from_torch if c not in nodes]:
+            optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+            del _from_torch[cls]
+        for cls, node_def in nodes.items():
+            if not isinstance(cls, type) or cls in _from_torch or _known_to_optree(cls):
+                continue
+            try:
+                optree.register_pytree_node(cls, *_adapters(cls, node_def), namespace=NAMESPACE)
+            except ValueError:  # optree refuses it (a type it handles itself): its way wins
+                continue
+            _from_torch[cls] = node_def
+        _synced_len = len(nodes)
+
+
+def tree_flatten(tree, none_is_leaf: bool = False):
+    """`(leaves, spec)`, as `optree.tree_flatten`, seeing torch's registrations too."""
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_flatten_with_path(tree, none_is_leaf: bool = False):
+    """`(paths, leaves, spec)`, as `optree.tree_flatten_with_path`."""
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_leaves(tree, none_is_leaf: bool = False):
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_structure(tree, none_is_leaf: bool = False):
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.tree_structure(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def tree_map(func, tree, none_is_leaf: bool = False):
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.tree_map(func, tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def broadcast_prefix(prefix, tree, none_is_leaf: bool = False) -> list:
+    """The leaves of `prefix` (a prefix of `tree`'s structure: in_dims, out_dims) repeated
+    over `tree`'s leaves they stand for; ValueError when it is not a prefix."""
+    if len(_TORCH_NODES) != _synced_len:
+        _sync()
+    return optree.broadcast_prefix(prefix, tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+tree_unflatten = optree.tree_unflatten  # the spec knows its namespace
