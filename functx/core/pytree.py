@@ -100,44 +100,39 @@ def _sync() -> None:
         _synced_len = len(nodes)
 
 
-def tree_flatten(tree, none_is_leaf: bool = False):
-    """`(leaves, spec)`, as `optree.tree_flatten`, seeing torch's registrations too."""
+def _namespace() -> str:
+    """`NAMESPACE`, synced with torch's registrations first if they changed (one len())."""
     if len(_TORCH_NODES) != _synced_len:
         _sync()
-    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return NAMESPACE
+
+
+def tree_flatten(tree, none_is_leaf: bool = False):
+    """`(leaves, spec)`, as `optree.tree_flatten`, seeing torch's registrations too."""
+    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def tree_flatten_with_path(tree, none_is_leaf: bool = False):
     """`(paths, leaves, spec)`, as `optree.tree_flatten_with_path`."""
-    if len(_TORCH_NODES) != _synced_len:
-        _sync()
-    return optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def tree_leaves(tree, none_is_leaf: bool = False):
-    if len(_TORCH_NODES) != _synced_len:
-        _sync()
-    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def tree_structure(tree, none_is_leaf: bool = False):
-    if len(_TORCH_NODES) != _synced_len:
-        _sync()
-    return optree.tree_structure(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return optree.tree_structure(tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def tree_map(func, tree, none_is_leaf: bool = False):
-    if len(_TORCH_NODES) != _synced_len:
-        _sync()
-    return optree.tree_map(func, tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return optree.tree_map(func, tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def broadcast_prefix(prefix, tree, none_is_leaf: bool = False) -> list:
     """The leaves of `prefix` (a prefix of `tree`'s structure: in_dims, out_dims) repeated
     over `tree`'s leaves they stand for; ValueError when it is not a prefix."""
-    if len(_TORCH_NODES) != _synced_len:
-        _sync()
-    return optree.broadcast_prefix(prefix, tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+    return optree.broadcast_prefix(prefix, tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 tree_unflatten = optree.tree_unflatten  # the spec knows its namespace

@@ -66,13 +66,15 @@ def _key_of(x):
     return x
 
 
-def _to_meta(x):
+def meta_like(x):
+    """`x` with each tensor (in lists too) replaced by a meta tensor of its logical shape and
+    dtype; `_Undecidable` for sparse or nested layouts."""
     if isinstance(x, Tensor):
         if x.layout is not torch.strided:
             raise _Undecidable
         return torch.empty(x.shape, dtype=x.dtype, device=_META)
     if type(x) is list or type(x) is tuple:
-        return type(x)(_to_meta(e) for e in x)
+        return type(x)(meta_like(e) for e in x)
     return x
 
 
@@ -83,8 +85,8 @@ class _Undecidable(Exception):
 def _meta_error(op, args, kwargs):
     """The error `op` raises on meta tensors of the logical shapes, or None."""
     try:
-        meta_args = _to_meta(args)
-        meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        meta_args = meta_like(args)
+        meta_kwargs = {k: meta_like(v) for k, v in kwargs.items()}
     except _Undecidable:
         return None
     try:

@@ -24,6 +24,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from ..core.errors import op_name, raise_unbatched_inplace  # noqa: F401  (rules import it from here)
 from .batched_tensor import BatchedTensor
+from .per_sample_check import meta_like
 
 Tensor = torch.Tensor
 
@@ -352,7 +353,6 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
     if empty_means_all is None:
         empty_means_all = torch.Tag.reduction in op.tags
     arguments = op._schema.arguments
-    n_positional = sum(1 for a in arguments if not a.kwarg_only)
     inplace = bool(arguments) and _is_write(arguments[0]) and not arguments[0].kwarg_only
 
     def rule(interp, *args, **kwargs):
@@ -432,19 +432,11 @@ def _keepdim_value(args, kwargs, keepdim):
     return args[index] if index < len(args) else default
 
 
-def _to_meta(a):
-    if isinstance(a, Tensor):
-        return torch.empty(a.shape, dtype=a.dtype, device="meta")
-    if (type(a) is list or type(a) is tuple) and a and isinstance(a[0], Tensor):
-        return [_to_meta(t) for t in a]
-    return a
-
-
 def _logical_output_shapes(op, args, kwargs):
     """Shapes of the op's tensor outputs for one batch element (run on meta tensors of the
     logical shapes), as a flat list; None if the op has no meta kernel."""
     try:
-        out = op(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
+        out = op(*meta_like(list(args)), **{k: meta_like(v) for k, v in kwargs.items()})
     except Exception:
         return None
     if isinstance(out, Tensor):
