@@ -18,6 +18,9 @@ from .nn import (
 )
 from .vmap import vmap
 from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp
+from .staging import watch_for_dynamo as _watch_for_dynamo
+
+_watch_for_dynamo()  # torch.compile support, installed when torch._dynamo is imported
 
 __version__ = "0.1.0"
 

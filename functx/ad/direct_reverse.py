@@ -237,6 +237,10 @@ def _reaches_outside(outputs, leaves) -> bool:
         if node in seen:
             continue
         seen.add(node)
+        if not any(child is not None for child, _ in node.next_functions):
+            # A root that is not a leaf's accumulator: a graph made outside and cut from
+            # ours (AOTAutograd's traced inputs hang under such nodes, torch.compile).
+            return True
         for child, _ in node.next_functions:
             if child is None:
                 continue

@@ -163,6 +163,11 @@ def jvp(func, primals, tangents, *, strict=False, has_aux=False):
         >>> torch.allclose(tangent, torch.cos(x))
         True
     """
+    return _jvp_call(func, primals, tangents, strict, has_aux)
+
+
+def _jvp_call(func, primals, tangents, strict, has_aux):
+    """`jvp(func, primals, tangents, strict=..., has_aux=...)`."""
     flat_tangents = _check_primals_tangents(primals, tangents, _JVP)
     flat_out, flat_tangent_out, out_spec, aux = _jvp_flat(func, primals, flat_tangents, has_aux, _JVP)
     if strict and any(t is None for t in flat_tangent_out):
@@ -187,6 +192,11 @@ def linearize(func, *primals):
         >>> torch.allclose(jvp_fn(torch.ones(2)), torch.cos(x))
         True
     """
+    return _linearize_call(func, primals)
+
+
+def _linearize_call(func, primals):
+    """`linearize(func, *primals)`."""
     api = "linearize(func, *primals)"
     output, vjp_fn, _ = _vjp_with_argnums(func, primals, {}, None, False, api)
     flat_out, out_spec = pytree.tree_flatten(output)
@@ -216,64 +226,69 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        api = "jacfwd(f, argnums)"
-        checked = check_argnums(argnums, len(args), api)
-        diff = select_argnums(args, checked)
-        flat_diff, diff_spec = pytree.tree_flatten(diff)
-        for x in flat_diff:
-            if not isinstance(x, torch.Tensor):
-                raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(x)}")
-            if x.is_complex():
-                raise RuntimeError("jacfwd: Expected all inputs to be real but received complex tensor")
-
-        def of_diff(*flat):
-            return func(*replace_argnums(args, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
-
-        def push_jvp(*basis):
-            flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")
-            for out in flat_out:
-                if out.is_complex():
-                    raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")
-            tangents = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents)]
-            return pytree.tree_unflatten(out_spec, tangents), aux
-
-        total = sum(x.numel() for x in flat_diff)
-        if total == 0:  # no columns: one JVP (zero tangents) gives the outputs' shapes and aux
-            with functx_code():
-                zeros = [torch.zeros_like(x) for x in flat_diff]
-            columns, aux = push_jvp(*zeros)
-            flat_cols, out_spec = pytree.tree_flatten(columns)
-            with functx_code():
-                flat_cols = [c.unsqueeze(0)[:0] for c in flat_cols]
-        else:
-            step = total if chunk_size is None else chunk_size
-            chunks = []
-            for start in range(0, total, step):
-                with functx_code():
-                    basis = identity_rows(flat_diff, start, min(start + step, total))
-                # without aux, push_jvp's second output is None (out_dim None, as torch.func)
-                chunks.append(vmap(push_jvp, randomness=randomness, out_dims=(0, 0 if has_aux else None))(*basis))
-            columns, aux = chunks[0]
-            # aux does not depend on the basis: every batch element is the same
-            aux = pytree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
-            flat_cols, out_spec = pytree.tree_flatten(columns)
-            if len(chunks) > 1:  # (total, *out.shape) per output
-                flat_cols = [torch.cat(parts) for parts in zip(*(pytree.tree_leaves(c) for c, _ in chunks))]
-        per_output = []
-        for col in flat_cols:
-            out_shape = col.shape[1:]
-            pieces = col.split([x.numel() for x in flat_diff])
-            leaves = [
-                p.reshape((*x.shape, *out_shape)).movedim(
-                    tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim()))
-                )
-                for p, x in zip(pieces, flat_diff)
-            ]
-            per_output.append(pytree.tree_unflatten(diff_spec, leaves))
-        jacobian = pytree.tree_unflatten(out_spec, per_output)
-        return (jacobian, aux) if has_aux else jacobian
+        return _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs)
 
     return wrapper
+
+
+def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
+    """`jacfwd(func, argnums, has_aux, randomness=..., chunk_size=...)(*args, **kwargs)`."""
+    api = "jacfwd(f, argnums)"
+    checked = check_argnums(argnums, len(args), api)
+    diff = select_argnums(args, checked)
+    flat_diff, diff_spec = pytree.tree_flatten(diff)
+    for x in flat_diff:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{api}: Thing passed to transform API must be Tensor, got {type(x)}")
+        if x.is_complex():
+            raise RuntimeError("jacfwd: Expected all inputs to be real but received complex tensor")
+
+    def of_diff(*flat):
+        return func(*replace_argnums(args, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
+
+    def push_jvp(*basis):
+        flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")
+        for out in flat_out:
+            if out.is_complex():
+                raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")
+        tangents = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents)]
+        return pytree.tree_unflatten(out_spec, tangents), aux
+
+    total = sum(x.numel() for x in flat_diff)
+    if total == 0:  # no columns: one JVP (zero tangents) gives the outputs' shapes and aux
+        with functx_code():
+            zeros = [torch.zeros_like(x) for x in flat_diff]
+        columns, aux = push_jvp(*zeros)
+        flat_cols, out_spec = pytree.tree_flatten(columns)
+        with functx_code():
+            flat_cols = [c.unsqueeze(0)[:0] for c in flat_cols]
+    else:
+        step = total if chunk_size is None else chunk_size
+        chunks = []
+        for start in range(0, total, step):
+            with functx_code():
+                basis = identity_rows(flat_diff, start, min(start + step, total))
+            # without aux, push_jvp's second output is None (out_dim None, as torch.func)
+            chunks.append(vmap(push_jvp, randomness=randomness, out_dims=(0, 0 if has_aux else None))(*basis))
+        columns, aux = chunks[0]
+        # aux does not depend on the basis: every batch element is the same
+        aux = pytree.tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) else a, aux)
+        flat_cols, out_spec = pytree.tree_flatten(columns)
+        if len(chunks) > 1:  # (total, *out.shape) per output
+            flat_cols = [torch.cat(parts) for parts in zip(*(pytree.tree_leaves(c) for c, _ in chunks))]
+    per_output = []
+    for col in flat_cols:
+        out_shape = col.shape[1:]
+        pieces = col.split([x.numel() for x in flat_diff])
+        leaves = [
+            p.reshape((*x.shape, *out_shape)).movedim(
+                tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim()))
+            )
+            for p, x in zip(pieces, flat_diff)
+        ]
+        per_output.append(pytree.tree_unflatten(diff_spec, leaves))
+    jacobian = pytree.tree_unflatten(out_spec, per_output)
+    return (jacobian, aux) if has_aux else jacobian
 
 
 def hessian(func, argnums=0, *, chunk_size=None):

@@ -100,6 +100,11 @@ def vjp(func, *primals, has_aux=False):
         >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
         True
     """
+    return _vjp_call(func, primals, has_aux)
+
+
+def _vjp_call(func, primals, has_aux):
+    """`vjp(func, *primals, has_aux=...)`."""
     result, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, "vjp(f, *primals)")
 
     def wrapper(cotangents, retain_graph=True, create_graph=None):
@@ -118,37 +123,42 @@ def grad_and_value(func, argnums=0, has_aux=False):
         >>> g.tolist(), v.item()
         ([2.0, 6.0], 10.0)
     """
-    api = "grad_and_value(f)(*args)"
-
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        with functx_code():
-            checked = check_argnums(argnums, len(args), api)
-            flat_args, diff_spec = pytree.tree_flatten(select_argnums(args, checked))
-            level = choose_level("grad", flat_args)
-        with interpreting(level), recording():
-            with functx_code():
-                flat_diff = make_differentiable(flat_args, level, api)
-                diff = pytree.tree_unflatten(diff_spec, flat_diff)
-            output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
-            with functx_code():
-                if not isinstance(output, torch.Tensor):
-                    raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")
-                if output.dim() != 0:
-                    raise RuntimeError(
-                        f"{api}: Expected f(*args) to return a scalar Tensor, got tensor with "
-                        f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
-                    )
-                level.seal([output], flat_diff)
-            grads = level.gradient(output, flat_diff)  # the backward may run user code
-            with functx_code():
-                gradient = pytree.tree_unflatten(diff_spec, level.export(list(grads)))
-                value = level.export(output)
-                if has_aux:
-                    return gradient, (value, export(level, aux))
-                return gradient, value
+        return _grad_and_value_call(func, argnums, has_aux, args, kwargs)
 
     return wrapper
+
+
+def _grad_and_value_call(func, argnums, has_aux, args, kwargs):
+    """`grad_and_value(func, argnums, has_aux)(*args, **kwargs)`: one entry point per
+    transform, which is also where torch.compile stages the call (functx/staging)."""
+    api = "grad_and_value(f)(*args)"
+    with functx_code():
+        checked = check_argnums(argnums, len(args), api)
+        flat_args, diff_spec = pytree.tree_flatten(select_argnums(args, checked))
+        level = choose_level("grad", flat_args)
+    with interpreting(level), recording():
+        with functx_code():
+            flat_diff = make_differentiable(flat_args, level, api)
+            diff = pytree.tree_unflatten(diff_spec, flat_diff)
+        output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
+        with functx_code():
+            if not isinstance(output, torch.Tensor):
+                raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")
+            if output.dim() != 0:
+                raise RuntimeError(
+                    f"{api}: Expected f(*args) to return a scalar Tensor, got tensor with "
+                    f"{output.dim()} dims. Maybe you wanted to use the vjp or jacrev APIs instead?"
+                )
+            level.seal([output], flat_diff)
+        grads = level.gradient(output, flat_diff)  # the backward may run user code
+        with functx_code():
+            gradient = pytree.tree_unflatten(diff_spec, level.export(list(grads)))
+            value = level.export(output)
+            if has_aux:
+                return gradient, (value, export(level, aux))
+            return gradient, value
 
 
 def grad(func, argnums=0, has_aux=False):
@@ -235,14 +245,19 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        api = "jacrev(f, argnums)"
-        output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="jacrev")
-        flat_out, out_spec = pytree.tree_flatten(output)
-        for out in flat_out:
-            if out.is_complex():
-                raise RuntimeError("jacrev: Expected all outputs to be real but received complex tensor")
-        blocks, in_spec = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
-        jacobian = pytree.tree_unflatten(out_spec, [pytree.tree_unflatten(in_spec, b) for b in blocks])
-        return (jacobian, aux) if has_aux else jacobian
+        return _jacrev_call(func, argnums, has_aux, chunk_size, args, kwargs)
 
     return wrapper
+
+
+def _jacrev_call(func, argnums, has_aux, chunk_size, args, kwargs):
+    """`jacrev(func, argnums, has_aux=..., chunk_size=...)(*args, **kwargs)`."""
+    api = "jacrev(f, argnums)"
+    output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="jacrev")
+    flat_out, out_spec = pytree.tree_flatten(output)
+    for out in flat_out:
+        if out.is_complex():
+            raise RuntimeError("jacrev: Expected all outputs to be real but received complex tensor")
+    blocks, in_spec = jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size)
+    jacobian = pytree.tree_unflatten(out_spec, [pytree.tree_unflatten(in_spec, b) for b in blocks])
+    return (jacobian, aux) if has_aux else jacobian

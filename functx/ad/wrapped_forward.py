@@ -61,6 +61,18 @@ _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
 _zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
 _DUAL_LEVEL = 0  # torch has exactly one forward-AD level
+
+# Ops whose result does not depend on their arguments' values: no tangent. (torch.autograd.grad
+# makes its default cotangent with `ones_like(output)`; under a fake tensor mode, as
+# torch.compile traces, running it on a dual decomposes below autograd and fails.)
+_aten = torch.ops.aten
+_VALUE_FREE = frozenset(
+    (
+        _aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default,
+        _aten.rand_like.default, _aten.randn_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+        _aten.new_empty.default, _aten.new_full.default, _aten.new_empty_strided.default,
+    )
+)
 _ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
 _AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
@@ -429,7 +441,7 @@ class WrappedJvpLevel(WrappedLevel):
             if any(t is not None for t in (*tangents, *kw_tangents)):
                 raise_captured_write(op, "jvp")
             mutated = None
-        if all(t is None for t in tangents) and all(t is None for t in kw_tangents):
+        if (all(t is None for t in tangents) and all(t is None for t in kw_tangents)) or op in _VALUE_FREE:
             with _restore_autograd():  # nothing to differentiate here: the op one level down
                 out = op(*primals, **dict(zip(kwargs, kw_primals)))
             return args[mutated] if mutated is not None else self.wrap_outputs(out, False)
@@ -514,7 +526,7 @@ class WrappedJvpLevel(WrappedLevel):
             for v in kwargs.values():
                 if isinstance(v, LevelTensor) or type(v) is list or type(v) is tuple:
                     return _GENERAL
-        if tangents is None:
+        if tangents is None or op in _VALUE_FREE:
             with _restore_autograd():  # nothing to differentiate here: the op one level down
                 out = op(*values, **kwargs)
             if isinstance(out, torch.Tensor):
