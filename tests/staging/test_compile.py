@@ -327,3 +327,13 @@ def test_fuzz_compiled_transform_stacks(case):
     torch._dynamo.reset()
     compiled = torch.compile(transformed, backend="aot_eager")(*case.inputs())
     torch.testing.assert_close(compiled, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_size_changes_dynamic_shapes():
+    """After a second batch size dynamo makes the batch dim symbolic: the staged calls run
+    functx on symbolic shapes."""
+    torch._dynamo.reset()
+    compiled = torch.compile(per_sample_grads, backend="aot_eager")
+    for size in (5, 7, 9, 16):
+        x, y = _randn(size, 3, seed=size), _randn(size, 2, seed=size + 1)
+        _assert_trees_close(compiled(PARAMS, x, y), per_sample_grads_ref(PARAMS, x, y))
