@@ -90,8 +90,8 @@ def identity_rows(flat, start, stop):
     (columns). Built per chunk, so chunking bounds the memory of the basis too."""
     sizes = [t.numel() for t in flat]
     n = stop - start
-    rows = torch.zeros(n, sum(sizes), dtype=flat[0].dtype, device=flat[0].device)
-    rows[torch.arange(n), torch.arange(start, stop)] = 1
+    device = flat[0].device  # out of place: no write into a buffer in graphs traced under functionalize
+    rows = (torch.arange(start, stop, device=device)[:, None] == torch.arange(sum(sizes), device=device)).to(flat[0].dtype)
     return [piece.to(t.dtype).view(n, *t.shape) for piece, t in zip(rows.split(sizes, dim=1), flat)]
 
 
