@@ -20,6 +20,7 @@ for those the rule's own behaviour stands.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import op_name
 from ..core.level_tensor import mutated_argument
@@ -83,7 +84,13 @@ class _Undecidable(Exception):
 
 
 def _meta_error(op, args, kwargs):
-    """The error `op` raises on meta tensors of the logical shapes, or None."""
+    """The error `op` raises on meta tensors of the logical shapes, or None. Outside any
+    dispatch mode: under make_fx or torch.compile the check is not part of the program."""
+    with _disable_current_modes():
+        return _meta_error_here(op, args, kwargs)
+
+
+def _meta_error_here(op, args, kwargs):
     try:
         meta_args = meta_like(args)
         meta_kwargs = {k: meta_like(v) for k, v in kwargs.items()}
