@@ -41,6 +41,7 @@ from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
 from torch._dynamo.variables.higher_order_ops import make_attr, speculate_subgraph
 
 from ..ad import forward, reverse
+from ..functionalize import api as functionalize_api
 from ..vmap import api as vmap_api
 from .staged_call import StagedCall
 
@@ -148,6 +149,7 @@ _ENTRY_POINTS = (
     (forward, "_jvp_call", "jvp", ("strict", "has_aux"), False),
     (reverse, "_vjp_call", "vjp", ("has_aux",), False),
     (forward, "_linearize_call", "linearize", (), False),
+    (functionalize_api, "_functionalize_call", "call", ("reapply_views",), False),
 )
 
 

@@ -337,3 +337,38 @@ def test_batch_size_changes_dynamic_shapes():
     for size in (5, 7, 9, 16):
         x, y = _randn(size, 3, seed=size), _randn(size, 2, seed=size + 1)
         _assert_trees_close(compiled(PARAMS, x, y), per_sample_grads_ref(PARAMS, x, y))
+
+
+def _mutating(a):
+    b = a + 1
+    b.view(-1).add_(1)  # a write through a view
+    a.mul_(2)  # a write into the input: reproduced by the compiled function
+    return b * a
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: functx.functionalize(_mutating)(x),
+        lambda x: functx.functionalize(_mutating, remove="mutations_and_views")(x),
+        lambda x: functx.vmap(functx.functionalize(_mutating))(x),
+        lambda x: functx.grad(lambda v: functx.functionalize(_mutating)(v * 1).sum())(x),
+    ],
+    ids=["functionalize", "mutations_and_views", "vmap_of", "grad_of"],
+)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_functionalize_compiles(fn, backend):
+    x = _randn(3, 2, seed=30)
+    a = x.clone()
+    b = x.clone()
+    b_out = (b + 1 + 1) * (b * 2)  # plain torch: what _mutating computes, and b as it leaves it
+    b.mul_(2)
+    expected = fn(a)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(fn)(x.clone()).graph_break_count == 0
+    torch._dynamo.reset()
+    c = x.clone()
+    torch.testing.assert_close(torch.compile(fn, backend=backend, fullgraph=True)(c), expected)
+    torch.testing.assert_close(c, a)  # the input written as eager writes it
+    if expected.shape == b_out.shape and not torch.equal(a, x):
+        torch.testing.assert_close(a, b)
