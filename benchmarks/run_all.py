@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ad_cold_start
 import ad_common
 import ad_forward
+import ad_hvp
 import ad_jacobians
 import ad_maml
 import ad_per_sample_grads
@@ -23,7 +24,7 @@ import vmap_mlp
 import vmap_overhead
 from _harness import environment, markdown_table, standard_arguments
 
-AD_SUITE = (ad_per_sample_grads, ad_jacobians, ad_maml, ad_forward)
+AD_SUITE = (ad_per_sample_grads, ad_jacobians, ad_maml, ad_forward, ad_hvp)
 
 
 def targets_table(

@@ -13,12 +13,22 @@
   level below would differentiate torch's forward formulas in C++, and some of those
   cannot be differentiated right, see wrapped_forward._DECOMPOSED_WHEN_NESTED) and the
   inputs are real;
-- everything else wraps. `vjp` does because a user's `vjp_fn` may be called later under any
-  levels (linearize and jvp's fallback call it under a new grad level, which a physical
-  graph cannot serve); `jacfwd` because its columns would each recompute the primal on the
-  physical tensors, where a wrapped level computes it once (measured: the R^256 jacfwd
-  benchmark 1.44x -> 2.4x torch.func); `jacrev` under two vmaps because its rows' vmap
-  would sit over two physical batch dims.
+- direct on values (no vmap levels of its own; torch's autograd or forward AD on the
+  tensors the function computes with, the BatchedTensors of vmap levels below included,
+  whose rules then run below autograd: `VmapInterpreter.ad_above`):
+  `jvp` of plain primals when no AD level is open (only vmap levels: the tangents may be
+  batched, the primal is then computed once); `grad` right over such levels or over an
+  outermost grad/vjp level (forward-over-reverse and reverse-over-reverse HVPs: no Python
+  dispatch); `vjp` of plain inputs under vmap levels and such levels (its `vjp_fn` is
+  a backward on values, right under whatever levels it is called later, as the outermost
+  vjp's is). A `jvp` inside any AD level wraps (reverse over torch's forward formulas is not
+  always right on plain tensors, wrapped_forward.py);
+- everything else wraps. `vjp` of batched inputs does because a user's `vjp_fn` may be called
+  later under any levels (linearize and jvp's fallback call it under a new grad level, which
+  a physical graph cannot serve); `jacfwd` because its columns would each recompute the
+  primal on the physical tensors, where a wrapped level computes it once (measured: the R^256
+  jacfwd benchmark 1.44x -> 2.4x torch.func); `jacrev` under two vmaps because its rows'
+  vmap would sit over two physical batch dims.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ import optree
 import torch
 
 from ..core.interpreter import current_stack
+from ..core.level_tensor import LevelTensor
+from ..vmap.batched_tensor import VmapInterpreter
 from ..vmap.chain import vmap_levels_on_top
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
@@ -34,6 +46,7 @@ from .wrapped_forward import WrappedJvpLevel
 from .wrapped_reverse import WrappedGradLevel
 
 REVERSE = ("grad", "vjp", "jacrev")
+JVP_ON_VALUES = False
 FORWARD = ("jvp", "jacfwd")
 
 
@@ -43,6 +56,65 @@ def _outermost_direct_grad(level) -> bool:
 
 def _nothing(level) -> bool:
     return False
+
+
+def _on_values(level) -> bool:
+    """A direct AD level with no vmap levels of its own: it records (reverse: torch's
+    autograd; forward: torch's forward AD) on the tensors the function computes with."""
+    return (type(level) is DirectGradLevel or type(level) is DirectJvpLevel) and not level.vmap_levels
+
+
+def _plain_real(tensors) -> bool:
+    for x in optree.tree_leaves(tensors):
+        if isinstance(x, torch.Tensor) and (isinstance(x, LevelTensor) or x.is_complex()):
+            return False
+    return True
+
+
+def _over_values(stack, differentiated) -> bool:
+    """Whether a `grad` may open right over the direct levels on values on top of `stack`
+    (forward-over-reverse and reverse-over-reverse Hessian-vector products, grad of grad):
+    everything in the stack records on values, or is a vmap level under them with no AD
+    level of its own, the top is such a level, and the inputs are plain and real. Then
+    the inner level is one too: torch's autograd nests (a gradient built with
+    create_graph=True is differentiated again, its backward formulas carry forward-AD
+    tangents), and the levels stay apart because a level's leaves are its own nodes."""
+    if not _on_values(stack[-1]):
+        return False
+    for level in stack:
+        if not (_on_values(level) or type(level) is VmapInterpreter and level.direct_ad is None):
+            return False
+    return _plain_real(differentiated)
+
+
+def _vjp_over_values(stack, differentiated) -> bool:
+    """Whether a `vjp` may record on its plain inputs directly under the levels of `stack`:
+    each is a vmap level with no AD level of its own (then torch records on its
+    BatchedTensors, `VmapInterpreter.ad_above`: a vjp of shared primals inside vmap, a
+    Gauss-Newton product) or a direct level on values. Its `vjp_fn` can be called later
+    under any levels, as the outermost vjp's can: a backward on the values themselves."""
+    for level in stack:
+        if not (_on_values(level) or type(level) is VmapInterpreter and level.direct_ad is None):
+            return False
+    return _plain_real(differentiated)
+
+
+def _jvp_on_values(stack, primals, tangents) -> bool:
+    """Whether a `jvp` may run torch's forward AD on its plain primals directly: no AD level
+    is open (only vmap levels with none of their own, which batch the tangents), the primals
+    are plain, real and not tracked by torch's autograd (reverse-over-forward through torch's
+    formulas is not always right: they write into saved tensors in place, and the
+    normalizations' statistics carry no tangent), and the tangents are real."""
+    for level in stack:
+        if type(level) is not VmapInterpreter or level.direct_ad is not None:
+            return False
+    for p in primals:
+        if isinstance(p, LevelTensor) or p.is_complex() or p.requires_grad:
+            return False
+    for t in tangents:
+        if t.is_complex() or t.requires_grad:
+            return False
+    return True
 
 
 def choose_level(transform: str, differentiated):
@@ -56,6 +128,10 @@ def choose_level(transform: str, differentiated):
             if any(isinstance(x, torch.Tensor) and x.is_complex() for x in optree.tree_leaves(differentiated)):
                 return WrappedGradLevel()
             return DirectGradLevel(())
+        if transform == "grad" and _over_values(stack, differentiated):
+            return DirectGradLevel((), over_values=True)
+        if transform == "vjp" and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
+            return DirectGradLevel((), over_values=True)
         if transform != "vjp":
             vmap_levels = vmap_levels_on_top(stack, _outermost_direct_grad, differentiated)
             if vmap_levels is not None and (transform == "grad" or len(vmap_levels) == 1):
@@ -63,8 +139,12 @@ def choose_level(transform: str, differentiated):
         return WrappedGradLevel()
     if transform not in FORWARD:
         raise ValueError(f"unknown transform {transform!r}")
-    if transform == "jvp" and stack:
-        vmap_levels = vmap_levels_on_top(stack, _nothing, differentiated)
-        if vmap_levels is not None:
-            return DirectJvpLevel(vmap_levels)
+    if transform == "jvp":
+        primals, tangents = differentiated
+        if JVP_ON_VALUES and _jvp_on_values(stack, primals, tangents):
+            return DirectJvpLevel(())
+        if stack:
+            vmap_levels = vmap_levels_on_top(stack, _nothing, differentiated)
+            if vmap_levels is not None:
+                return DirectJvpLevel(vmap_levels)
     return WrappedJvpLevel()

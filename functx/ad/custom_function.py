@@ -26,7 +26,8 @@ import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
-from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, user_backward
+from .direct_forward import DirectJvpLevel
 from .wrapped_forward import WrappedJvpLevel, make_duals
 from .wrapped_reverse import WrappedGradLevel
 
@@ -121,9 +122,9 @@ def apply_at_jvp_level(level, function, args, kwargs):
         return level.wrap_outputs(function.apply(*primals, **kwargs), False)
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
         raise RuntimeError(_no_jvp_message(function.__name__))
-    plain = all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
+    plain = not level.over_dual_values and all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
     with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
-        duals = make_duals(primals, tangents, None if plain else level)
+        duals = make_duals(primals, tangents, None if plain else level, level.over_dual_values)
         if plain:  # torch's own apply on the duals calls its jvp
             outputs = function.apply(*duals, **kwargs)
         else:  # on this level's carriers: the single-level Function, whose jvp is the user's
@@ -134,5 +135,18 @@ def apply_at_jvp_level(level, function, args, kwargs):
     return level.wrap_outputs(outputs, True)
 
 
+def check_jvp_on_values(level, function, args, kwargs):
+    """A jvp level on values (direct, no vmap levels of its own) lets torch's forward AD apply
+    the Function, which calls its `jvp`: refuse clearly where there is none and an argument
+    carries a tangent (torch's own error names no function). Returns None: torch's apply."""
+    if level.vmap_levels or function.jvp is not torch.autograd.Function.jvp:
+        return None
+    for a in optree.tree_leaves(args, none_is_leaf=True):
+        if isinstance(a, torch.Tensor) and torch._VF._unpack_dual(a, 0)[1] is not None:
+            raise RuntimeError(_no_jvp_message(function.__name__))
+    return None
+
+
 register_level_rule(WrappedGradLevel, apply_at_grad_level)
 register_level_rule(WrappedJvpLevel, apply_at_jvp_level)
+register_value_rule(DirectJvpLevel, check_jvp_on_values)

@@ -8,11 +8,17 @@ dim as a copy, not an expand: each element's tangent needs its own memory under 
 primal. A user's `detach()` is plain `detach` of the physical value: it drops the tangent
 (and every level's gradient), as torch.func's does.
 
-There is no direct forward level with k = 0: its tangents would stay attached to plain
-tensors at torch's single dual level, where a jvp nested inside (whose own tangents are
-attached per op, wrapped_forward.py) would see them and mix them into its own. Under k >= 1
-vmap levels the BatchedTensor wrappers keep them apart: a nested level's ops meet the
-wrappers, and only vmap's rules meet the physical tensors.
+k = 0, on the values themselves (forward-over-reverse Hessian-vector products, Gauss-Newton
+products, `jvp` of a model): when no AD level is open and the primals are plain, torch's
+forward AD runs on them directly, the tangents attached at torch's single dual level for
+the whole function, so the function's ops make no Python dispatch at all. The tangents may
+be batched by vmap levels below (`vmap(jvp(f))` over k tangents with shared primals: the
+Hessian times a matrix): the primal is computed once, and only the tangents' formulas go
+through vmap's rules, which then run below autograd (`ad_above`, batched_tensor.py), as
+torch.func's C++ levels do. Levels opened inside keep apart from it: a `grad` inside is
+direct too (torch's autograd records on the dual tensors, and its backward formulas carry
+their tangents: forward-over-reverse), a `jvp` inside wraps with carriers (its level is
+`nested`, wrapped_forward.py), so its own tangents never meet this level's plain tensors.
 
     >>> import torch, functx
     >>> x = torch.randn(3, 2)
@@ -26,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
-from .direct_reverse import install_direct_level, restore_direct_level
-from .level import ADLevel
-from .wrapped_forward import load_forward_decompositions
+from .direct_reverse import install_above, install_direct_level, restore_above, restore_direct_level
+from .level import ADLevel, unwrap_level
+from .wrapped_forward import _tangent_like, load_forward_decompositions
 
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
@@ -48,16 +54,37 @@ class DirectJvpLevel(ADLevel):
         self.lifts_buffers = False  # as DirectGradLevel's: set when `dual` batches a primal
         self._outer = ()
 
+    @property
+    def dual_values(self) -> bool:
+        """Whether this level attaches its tangents to plain values (k = 0): every jvp level
+        opened inside must keep its own tangents off them (wrapped_forward.py)."""
+        return not self.vmap_levels
+
     def pushed(self):
+        if not self.vmap_levels:
+            self._outer = install_above(self)
+            return
         # vmap's rules keep forward AD on for these tangents (batched_tensor.py)
         self._outer = install_direct_level(self.vmap_levels, self)
 
     def popped(self):
+        if not self.vmap_levels:
+            restore_above(self._outer)
+            return
         restore_direct_level(self.vmap_levels, self._outer)
 
     def dual(self, primal, tangent):
         """The function's input for `primal` with `tangent` (these levels' tensors)."""
         levels = self.vmap_levels
+        if not levels:
+            if primal.is_inference():  # made under torch.inference_mode(): cannot carry a tangent
+                primal = primal.clone()
+            if tangent.stride() != primal.stride() or tangent.is_inference():
+                # laid out like the primal (torch's rule for tangents), made through the
+                # tangent's vmap levels (a batched tangent: BatchedTensor strides are per
+                # element, and torch checks the rest, `_has_same_storage_numel`)
+                tangent = _tangent_like(tangent, primal, tangent)
+            return _make_dual(primal, tangent, level=_DUAL_LEVEL)
         if not is_batched_everywhere(levels, primal):
             self.lifts_buffers = True
         physical = batched_everywhere(levels, primal)
@@ -71,6 +98,11 @@ class DirectJvpLevel(ADLevel):
 
     def unpack(self, x):
         """`(primal, tangent or None)` of a result, without this level's tangents."""
+        if not self.vmap_levels:
+            x = unwrap_level(x, self)  # wrappers of levels opened inside and finished
+            if not isinstance(x, torch.Tensor):
+                return x, None
+            return _unpack_dual(x, _DUAL_LEVEL)
         physical = peel(self.vmap_levels, x)
         if not isinstance(physical, torch.Tensor):
             return x, None

@@ -43,11 +43,15 @@ from __future__ import annotations
 import optree
 import torch
 
-from ..core.interpreter import functx_code
+from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, wrap_chain
 from .level import ADLevel, autograd_grad, unwrap_level
+
+_make_dual = torch._make_dual
+_unpack_dual = torch._VF._unpack_dual
+_DUAL_LEVEL = 0
 
 
 def install_direct_level(vmap_levels, level):
@@ -63,27 +67,56 @@ def restore_direct_level(vmap_levels, previous):
         v.direct_ad = value
 
 
+def install_above(level):
+    """Mark the vmap levels under a direct level on values (no vmap levels of its own) as
+    having AD above them: torch records on their BatchedTensors, so their rules run below
+    autograd (batched_tensor.py `ad_above`). Returns what was there."""
+    below = [v for v in current_stack() if type(v) is VmapInterpreter]
+    previous = [(v, v.ad_above) for v in below]
+    for v in below:
+        v.ad_above = True
+    return previous
+
+
+def restore_above(previous):
+    for v, flag in previous:
+        v.ad_above = flag
+
+
 class DirectGradLevel(ADLevel):
     """A grad level run by plain autograd on the tensors under `vmap_levels` (the vmap levels
     on top of the stack when it opened, innermost last; empty for the outermost level)."""
 
-    __slots__ = ("vmap_levels", "reaches_outside", "lifts_buffers", "_outer")
+    __slots__ = ("vmap_levels", "reaches_outside", "lifts_buffers", "over_values", "connected", "_outer")
     forward_mode = False
 
-    def __init__(self, vmap_levels=()):
+    def __init__(self, vmap_levels=(), over_values=False):
         super().__init__()
         self.vmap_levels = tuple(vmap_levels)
         self.reaches_outside = False
         # Set when an input not batched at every vmap level got its batch dims here (`leaf`):
         # then the function's own buffers are batched too (`lift_buffer`).
         self.lifts_buffers = False
+        # Opened right over other direct levels on values (choose.py): a grad of a grad, or
+        # inside a jvp on values, whose forward-AD tangents its leaves and results keep.
+        self.over_values = over_values
+        # Set when a leaf stays connected to a graph tracked outside (`leaf`): the gradient
+        # will most likely be built with create_graph=True (MAML's inner steps), and the
+        # vmap rules keep to ops whose double backward torch runs in C++ (rules/linalg.py).
+        self.connected = False
         self._outer = ()
 
     def pushed(self):
+        if self.over_values:
+            self._outer = install_above(self)
+            return
         # vmap's `requires_grad` and its routing of torch.autograd.grad ask this level
         self._outer = install_direct_level(self.vmap_levels, self)
 
     def popped(self):
+        if self.over_values:
+            restore_above(self._outer)
+            return
         restore_direct_level(self.vmap_levels, self._outer)
 
     def tracked(self, x):
@@ -97,7 +130,16 @@ class DirectGradLevel(ADLevel):
         physical = batched_everywhere(self.vmap_levels, x)
         if self.vmap_levels and not is_batched_everywhere(self.vmap_levels, x):
             self.lifts_buffers = True
+        if self.over_values:
+            primal, tangent = _unpack_dual(x, _DUAL_LEVEL)
+            if tangent is not None:  # a jvp on values below: the leaf keeps the tangent
+                if x.requires_grad and self.prev_grad_mode:
+                    return x.view_as(x)  # a view keeps both the outside graph and the tangent
+                leaf = primal.detach().requires_grad_()
+                leaf._functx_leaf_of = self
+                return _make_dual(leaf, tangent, level=_DUAL_LEVEL)
         if physical.requires_grad and self.prev_grad_mode:
+            self.connected = True
             leaf = physical.view_as(physical)  # stays connected to the outside graph
         else:
             # a tensor made under torch.inference_mode() cannot require grad: differentiate a copy
@@ -120,7 +162,7 @@ class DirectGradLevel(ADLevel):
         """After the function ran: does its graph reach tensors tracked outside?"""
         tracked = self.tracked
         self.reaches_outside = self.prev_grad_mode and _reaches_outside(
-            [tracked(o) for o in outputs], [tracked(x) for x in leaves]
+            [tracked(o) for o in outputs], [tracked(x) for x in leaves], self
         )
 
     def gradient(self, output, leaves):
@@ -208,28 +250,35 @@ class DirectGradLevel(ADLevel):
     def _detached(self, x):
         if type(x) is BatchedTensor and x._interp in self.vmap_levels:
             return BatchedTensor(self._detached(x._value), x._interp)
-        return x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            return x
+        if self.over_values:
+            tangent = _unpack_dual(x, _DUAL_LEVEL)[1]
+            if tangent is not None:  # a jvp on values below differentiates it: keep its tangent
+                return _make_dual(x.detach(), tangent, level=_DUAL_LEVEL)
+        return x.detach()
 
     def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
         raise AssertionError("a direct grad level has no tensors of its own")
 
 
-def _is_outside(leaf, own) -> bool:
-    """Whether autograd leaf `leaf` is tracked outside a level whose leaves are `own` (ids):
+def _is_outside(leaf, own, level=None) -> bool:
+    """Whether autograd leaf `leaf` is tracked outside `level`, whose leaves are `own` (ids):
     a user's tensor, or a live level's internal leaf; not the leaves of a finished level
-    (a `vjp_fn` used inside a later `grad`)."""
+    (a `vjp_fn` used inside a later `grad`), nor `level`'s own (under a forward-AD tangent:
+    `DirectGradLevel.leaf`)."""
     if id(leaf) in own:
         return False
-    level = getattr(leaf, "_functx_leaf_of", None)
-    return level is None or level.alive
+    owner = getattr(leaf, "_functx_leaf_of", None)
+    return owner is None or (owner.alive and owner is not level)
 
 
-def _reaches_outside(outputs, leaves) -> bool:
+def _reaches_outside(outputs, leaves, level=None) -> bool:
     """Whether the autograd graph of `outputs` reaches a leaf tracked outside (`_is_outside`)."""
     own = {id(x) for x in leaves}
     stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     for o in outputs:
-        if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and _is_outside(o, own):
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and _is_outside(o, own, level):
             return True
     seen = set()
     while stack:
@@ -246,7 +295,7 @@ def _reaches_outside(outputs, leaves) -> bool:
                 continue
             variable = getattr(child, "variable", None)
             if variable is not None:  # AccumulateGrad: a leaf
-                if _is_outside(variable, own):
+                if _is_outside(variable, own, level):
                     return True
             else:
                 stack.append(child)

@@ -6,7 +6,7 @@ modes, and one function (`choose.py`) picks the strategy for a transform call:
 | strategy | reverse (grad, vjp, jacrev) | forward (jvp, jacfwd) |
 |---|---|---|
 | **wrapped**: the level owns wrapper tensors | `wrapped_reverse.WrappedGradLevel`: `GradTensor`s that torch's autograd records | `wrapped_forward.WrappedJvpLevel`: `DualTensor`s holding primal and tangent |
-| **direct**: the level owns nothing | `direct_reverse.DirectGradLevel`: autograd records the values under the k >= 0 vmap levels below it | `direct_forward.DirectJvpLevel`: torch's forward AD on the values under the k >= 1 vmap levels below it |
+| **direct**: the level owns nothing | `direct_reverse.DirectGradLevel`: autograd records the values under the k >= 0 vmap levels below it | `direct_forward.DirectJvpLevel`: torch's forward AD on the values under the k >= 1 vmap levels below it, or (k = 0) on the values themselves |
 
 Every AD level answers the same calls, made by the transforms (reverse.py, forward.py):
 

@@ -197,6 +197,22 @@ def _as_outside():
     return _no_context
 
 
+class _DownWithForwardAD:
+    """`_restore_autograd()` plus torch's forward AD switched on: what a level over a jvp on
+    values runs its ops one level down with (`WrappedJvpLevel._one_level_down`)."""
+
+    __slots__ = ("_guards",)
+
+    def __enter__(self):
+        self._guards = (_restore_autograd(), _forward_ad_on())
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
+
+
 class _InsideOut:
     __slots__ = ("_guards",)
 
@@ -337,8 +353,54 @@ _MATMUL_JVPS = {
 }
 
 
+# Elementwise ops whose forward formulas torch's reverse mode differentiates right when they
+# run on plain duals (the formulas are out-of-place expressions of the primals, results and
+# tangents): a wrapped jvp level over plain grad levels runs them without carriers (each
+# carrier costs ~4 Python dispatches per op: its `_make_dual` and torch's layout checks).
+# Not here: ops whose formulas write into temporaries in place for plain tensors (softmax,
+# log_softmax, logsumexp: `logsumexp_jvp`), or give statistics no tangent (the norms).
+_PLAIN_UNDER_GRAD = frozenset(
+    getattr(aten, name).default if "." not in name else getattr(getattr(aten, name.split(".")[0]), name.split(".")[1])
+    for name in (
+        "tanh", "sigmoid", "exp", "log", "sin", "cos", "relu", "neg", "sqrt", "rsqrt", "reciprocal",
+        "gelu", "silu", "softplus", "elu", "leaky_relu", "threshold", "tanh_backward", "sigmoid_backward",
+        "threshold_backward", "add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar",
+        "sub.Scalar", "mul.Scalar", "div.Scalar", "pow.Tensor_Scalar", "square",
+    )
+)  # fmt: skip
+
+
+# -- softmax, log_softmax, nll_loss: their tangents by ops that re-dispatch ------------------
+# (the tail of every cross-entropy). torch's formula for the softmaxes (`logsumexp_jvp`)
+# multiplies a temporary in place when the tensors are plain, which breaks reverse mode over
+# it, so under another AD level they needed carriers (~14 Python dispatches per op); these
+# are exact, out of place, and need none. Only the first argument may carry a tangent.
+def _log_softmax_jvp(out, values, t, kwargs):
+    dim = values[1]
+    return t - (out.exp() * t).sum(dim, keepdim=True)
+
+
+def _softmax_jvp(out, values, t, kwargs):
+    dim = values[1]
+    return out * (t - (out * t).sum(dim, keepdim=True))
+
+
+def _nll_loss_forward_jvp(out, values, t, kwargs):
+    # linear in `self`: the loss of the tangent; `total_weight` does not depend on `self`
+    return aten.nll_loss_forward.default(t, *values[1:], **kwargs)[0], None
+
+
+_SOFTMAXES = (aten._log_softmax.default, aten._softmax.default)
+_EXPLICIT_JVPS = {
+    aten._log_softmax.default: _log_softmax_jvp,
+    aten._softmax.default: _softmax_jvp,
+    aten.nll_loss_forward.default: _nll_loss_forward_jvp,
+}
+
+
 def _is_view_op(op) -> bool:
-    """One tensor returned, an alias of the first argument that it does not write."""
+    """One tensor (or one list of tensors: `split`, `unbind`) returned, aliases of the first
+    argument that it does not write."""
     if op is aten.detach.default:  # aliases, but drops the tangent
         return False
     schema = op._schema
@@ -363,15 +425,37 @@ def _op_kind(op):
 class WrappedJvpLevel(WrappedLevel):
     """One `jvp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ("nested",)
+    __slots__ = ("nested", "over_dual_values", "over_plain_grads")
     torch_function_rules = _TORCH_FUNCTION_RULES
 
     def __init__(self):
         super().__init__()
         load_forward_decompositions()
+        stack = current_stack()
         # another AD level below differentiates what this one computes: carriers for every op
         # (see the module docstring), and _DECOMPOSED_WHEN_NESTED
-        self.nested = any(isinstance(level, ADLevel) for level in current_stack())
+        self.nested = any(isinstance(level, ADLevel) for level in stack)
+        # a jvp level on values below (direct_forward.py, k = 0) attaches its tangents to plain
+        # tensors at torch's one dual level: every plain argument of an op of this level may
+        # carry one, which torch would take for this level's. Then every tensor argument goes
+        # in as a carrier, so only this level's tangents are attached where the op's formulas
+        # see them; the outer tangents flow one level down, when the carriers are unwrapped.
+        self.over_dual_values = any(getattr(level, "dual_values", False) for level in stack)
+        # only grad levels on plain values below (reverse over forward: grad(jvp(f)), a
+        # Hessian-vector product): torch's autograd differentiates the formulas of the ops in
+        # `_PLAIN_UNDER_GRAD` right on plain duals, so those need no carriers
+        self.over_plain_grads = bool(stack) and all(
+            getattr(level, "vmap_levels", None) == () and not level.forward_mode for level in stack
+        )
+
+    def _one_level_down(self):
+        """The dispatch state for running an op one level down: outside's (autograd on). Over
+        a jvp on values also forward AD on: torch switches it off inside an autograd.Function's
+        `jvp` (which this level runs on its carriers), and the tangents of the level below
+        must flow through what that computes."""
+        if self.over_dual_values:
+            return _DownWithForwardAD()
+        return _restore_autograd()
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
@@ -442,11 +526,11 @@ class WrappedJvpLevel(WrappedLevel):
                 raise_captured_write(op, "jvp")
             mutated = None
         if (all(t is None for t in tangents) and all(t is None for t in kw_tangents)) or op in _VALUE_FREE:
-            with _restore_autograd():  # nothing to differentiate here: the op one level down
+            with self._one_level_down():  # nothing to differentiate here: the op one level down
                 out = op(*primals, **dict(zip(kwargs, kw_primals)))
             return args[mutated] if mutated is not None else self.wrap_outputs(out, False)
         if self.nested and op in _DECOMPOSED_WHEN_NESTED:
-            with _restore_autograd():
+            with self._one_level_down():
                 return _DECOMPOSED_WHEN_NESTED[op](*args, **kwargs)  # its ops come back here
         if writes_out:
             raise NotImplementedError(
@@ -459,8 +543,9 @@ class WrappedJvpLevel(WrappedLevel):
         carrier = None if not self.nested and _all_plain(primals, kw_primals) else self
         try:
             with _restore_autograd(), _views_tracked(), _forward_ad_on():
-                duals = make_duals(primals, tangents, carrier)
-                kw_duals = dict(zip(kwargs, make_duals(kw_primals, kw_tangents, carrier)))
+                every = self.over_dual_values
+                duals = make_duals(primals, tangents, carrier, every)
+                kw_duals = dict(zip(kwargs, make_duals(kw_primals, kw_tangents, carrier, every)))
                 out = op(*duals, **kw_duals)
                 if mutated is not None:
                     return self._write_back(args[mutated], tangents[mutated], duals[mutated])
@@ -475,7 +560,7 @@ class WrappedJvpLevel(WrappedLevel):
             simple = mutated is None and not kwargs and all(t is not _LIST_MARK for t in tangents)
             if NO_FORWARD_FORMULA not in str(error) or not simple:
                 raise
-            with _restore_autograd():
+            with self._one_level_down():
                 out, out_tangent = op_jvp_without_formula(op, primals, tangents, {}, error)
             return self._wrap_pairs(out, out_tangent)
 
@@ -487,14 +572,22 @@ class WrappedJvpLevel(WrappedLevel):
         if type(x) is not DualTensor or x._interp is not self:
             return _GENERAL
         for a in args[1:]:
-            if isinstance(a, torch.Tensor) or type(a) is list or type(a) is tuple and any(isinstance(e, torch.Tensor) for e in a):
+            # Any list argument (a view's shape too) takes the general path: there a view's
+            # tangent is laid out for in-place writes through it (an `expand`ed tangent shared
+            # by a clone that is then written into cannot take the write: fuzzer regression).
+            if isinstance(a, torch.Tensor) or type(a) is list or type(a) is tuple:
                 return _GENERAL
         tangent = x._tangent
         if tangent is None:
             tangent = tangent_of(x)
-        with _restore_autograd():
+        with self._one_level_down():
             primal = op(x._value, *args[1:], **kwargs)
-            return DualTensor(primal, None if tangent is None else op(tangent, *args[1:], **kwargs), self)
+            out_tangent = None if tangent is None else op(tangent, *args[1:], **kwargs)
+        if type(primal) is list or type(primal) is tuple:  # `split`, `unbind`: one per piece
+            if out_tangent is None:
+                return type(primal)(DualTensor(p, None, self) for p in primal)
+            return type(primal)(DualTensor(p, t, self) for p, t in zip(primal, out_tangent))
+        return DualTensor(primal, out_tangent, self)
 
     def _out_of_place(self, op, args, kwargs):
         """`process` for the common case, in one pass: an out-of-place op whose tensors of
@@ -527,17 +620,27 @@ class WrappedJvpLevel(WrappedLevel):
                 if isinstance(v, LevelTensor) or type(v) is list or type(v) is tuple:
                     return _GENERAL
         if tangents is None or op in _VALUE_FREE:
-            with _restore_autograd():  # nothing to differentiate here: the op one level down
+            with self._one_level_down():  # nothing to differentiate here: the op one level down
                 out = op(*values, **kwargs)
             if isinstance(out, torch.Tensor):
                 return DualTensor(out, None, self)
             return self.wrap_outputs(out, False)
         matmul_jvp = _MATMUL_JVPS.get(op)
         if matmul_jvp is not None:  # ops that re-dispatch: right whatever lies below
-            with _restore_autograd():
+            with self._one_level_down():
                 out = op(*values, **kwargs)
                 return DualTensor(out, matmul_jvp(out, values, tangents, kwargs), self)
-        if not plain or self.nested:
+        explicit = _EXPLICIT_JVPS.get(op)
+        if explicit is not None and tangents[0] is not None and all(t is None for t in tangents[1:]) and not (
+            op in _SOFTMAXES and values[2]  # half_to_float: leave the dtype handling to torch
+        ):
+            with self._one_level_down():  # the same: tangents by ops on the values one level down
+                out = op(*values, **kwargs)
+                out_tangent = explicit(out, values, tangents[0], kwargs)
+            if type(out) is tuple:
+                return tuple(DualTensor(o, t, self) for o, t in zip(out, out_tangent))
+            return DualTensor(out, out_tangent, self)
+        if not plain or self.nested and not (self.over_plain_grads and op in _PLAIN_UNDER_GRAD):
             return _GENERAL
         try:
             with _restore_autograd(), _forward_ad_on():
@@ -641,7 +744,7 @@ class WrappedJvpLevel(WrappedLevel):
         x = args[0]
         rest = [a._value if type(a) is DualTensor and a._interp is self else a for a in args[1:]]
         tangent = tangent_of(x)
-        with _restore_autograd():
+        with self._one_level_down():
             op(x._value, *rest, **kwargs)
             if tangent is not None:
                 op(tangent, *rest, **kwargs)
@@ -687,12 +790,15 @@ def _all_plain(*groups) -> bool:
     return all(_plain(x) for group in groups for x in group)
 
 
-def make_duals(primals, tangents, carrier=None):
+def make_duals(primals, tangents, carrier=None, every=False):
     """torch duals of `primals` with `tangents` (None: no dual): of the values themselves, or,
-    with `carrier` (a level), of fresh tensors of that level holding them."""
+    with `carrier` (a level), of fresh tensors of that level holding them. With `every`,
+    the primals without a tangent go in as carriers too (`WrappedJvpLevel.over_dual_values`)."""
 
     def dual(p, t):
         if t is None:
+            if every and isinstance(p, torch.Tensor) and not isinstance(p, LevelTensor):
+                return DualTensor(p, None, carrier)
             return p
         if carrier is not None:
             p, t = DualTensor(p, None, carrier), DualTensor(t, None, carrier)

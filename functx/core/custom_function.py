@@ -51,11 +51,20 @@ def apply_original(function, *args, **kwargs):
 
 
 _LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs)
+_VALUE_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs) or None
 
 
 def register_level_rule(level_class, rule) -> None:
     """How levels of `level_class` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
     _LEVEL_RULES[level_class] = rule
+
+
+def register_value_rule(level_class, rule) -> None:
+    """How levels of `level_class`, which own no tensors (they record on the values: the
+    direct AD levels), see an autograd.Function applied to values none of whose levels is
+    higher: `rule(level, function, args, kwargs)` returns the result, or None for torch's
+    own apply."""
+    _VALUE_RULES[level_class] = rule
 
 
 def cached_on_class(function, key, make):
@@ -109,6 +118,12 @@ def _apply(cls, *args, **kwargs):
         if isinstance(a, LevelTensor) and (top is None or a._interp.level > top.level):
             top = a._interp
     if top is None:
+        for interp in reversed(_interpreter._stack.interpreters):
+            value_rule = _VALUE_RULES.get(type(interp))
+            if value_rule is not None:
+                out = value_rule(interp, cls, args, kwargs)
+                if out is not None:
+                    return out
         return _original_apply_function(cls, *args, **kwargs)
     rule = _LEVEL_RULES.get(type(top))
     if rule is None:

@@ -20,6 +20,8 @@ from .interpreter import current_stack
 
 
 _detach = torch.ops.aten.detach.default
+_to_layout = torch.ops.aten.to.dtype_layout
+_META = torch.device("meta")
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 
@@ -168,6 +170,14 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     if op is _detach and isinstance(args[0], LevelTensor) and not args[0]._interp.alive and not is_user_detach():
         # autograd detaches saved outputs of the dead level: its interpreter decides
         return args[0]._interp.detach_dead(args[0])
+    if op is _to_layout and kwargs.get("device") == _META:
+        # torch's ZeroTensor arithmetic asks for a result's shape on `.to("meta")` copies: the
+        # wrapper's metadata answers it. Taken one level down instead, the copy would carry
+        # whatever derivatives the value carries (a forward-AD tangent attached to the plain
+        # value by a jvp on values, ad/direct_forward.py), and the meta computation would
+        # differentiate prims that have no forward formula.
+        x = args[0]
+        return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
     dead = None
     for a in (*args, *kwargs.values()):
         for t in a if type(a) is list or type(a) is tuple else (a,):

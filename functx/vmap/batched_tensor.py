@@ -16,6 +16,7 @@ from ..core.rules import RuleTable
 from .per_sample_check import per_sample_checked
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
+_below_autograd = torch._C._AutoDispatchBelowAutograd
 _DETACH = torch.ops.aten.detach.default
 _forward_ad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
@@ -76,7 +77,7 @@ class BatchedTensor(LevelTensor):
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -87,6 +88,11 @@ class VmapInterpreter(Interpreter):
         # open: `requires_grad` and torch.autograd.grad calls inside ask a grad level; a jvp
         # level keeps forward AD on for the rules.
         self.direct_ad = None
+        # Set while a direct AD level on values (ad/direct_forward.py, direct_reverse.py with
+        # no vmap levels of their own) is open above this one: torch's autograd and forward
+        # AD then record on this level's BatchedTensors, and the rules run below autograd
+        # (no AD level lies below), as torch.func's batching rules do.
+        self.ad_above = False
 
     def process(self, op, args, kwargs):
         """One level down: the op's batching rule on the physical values (batch dim first),
@@ -96,6 +102,9 @@ class VmapInterpreter(Interpreter):
             # code called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told
             # apart from a user's detach here, before the outside dispatch state is restored.
             return BatchedTensor(args[0]._value, self)
+        metadata = METADATA_RULES.get(op)
+        if metadata is not None:  # torch's autograd asking about layouts: no restore, no checks
+            return metadata(self, *args)
         mutated = mutated_argument(op)
         if mutated is not None:
             if type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
@@ -107,6 +116,9 @@ class VmapInterpreter(Interpreter):
                         return op(*unlifted, **kwargs)
                 args = unlifted
         handler = VMAP_RULES.handler(op)
+        if self.ad_above and op not in RULES_USING_AUTOGRAD:
+            with _restore_autograd(), _below_autograd():
+                return handler(self, *args, **kwargs)
         direct = self.direct_ad
         if direct is not None and direct.forward_mode:
             # torch calls an autograd.Function's jvp with forward AD off; the physical
@@ -182,3 +194,13 @@ def _fallback_factory(op):
 
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""
+
+RULES_USING_AUTOGRAD: set = set()
+"""Ops whose rule runs torch's autograd itself on this level's tensors (a backward that
+recomputes its forward: rules/nn_rnn.py): they keep autograd on under `ad_above`."""
+
+METADATA_RULES: dict = {}
+"""op -> rule(interp, *args) for the ops torch's autograd calls to compare layouts before it
+attaches a tangent (`is_same_size`, `_has_same_storage_numel`: two per op result whose tangent
+is batched, under forward-over-reverse Hessian-vector products inside vmap). They read
+metadata only: `process` answers them before the rule machinery (vmap/rules/autograd_meta.py)."""

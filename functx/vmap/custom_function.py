@@ -43,7 +43,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from ..core.custom_function import cached_on_class, is_new_style, register_level_rule, user_backward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward
 from ..core.errors import PerformanceWarning
 from .batched_tensor import VmapInterpreter
 
@@ -59,6 +59,59 @@ class VmapInfo(NamedTuple):
 
 def apply_at_vmap_level(level, function, args, kwargs):
     """`function.apply(*args)` where `level` (a vmap level) is the highest level."""
+    if level.ad_above and is_new_style(function) and not getattr(_recording_above, "active", False):
+        return _apply_recorded_above(level, function, args, kwargs)
+    return _apply_batched(level, function, args, kwargs)
+
+
+_recording_above = threading.local()
+
+
+def _apply_recorded_above(level, function, args, kwargs):
+    """With a direct AD level on values above this one (`VmapInterpreter.ad_above`), torch's
+    autograd records on this level's BatchedTensors: the Function is applied there with
+    torch's own apply, as a Function whose forward batches the user's (below, as without AD)
+    and whose setup_context, backward and jvp are the user's, run on BatchedTensors."""
+    generated = cached_on_class(function, "recorded_above", _recorded_above_function)
+    previous = getattr(_recording_above, "call", None)
+    _recording_above.call = (level, function, kwargs)
+    try:
+        return apply_original(generated, *args)
+    finally:
+        _recording_above.call = previous
+
+
+def _recorded_above_function(function):
+    name = function.__name__
+
+    def forward(*args):
+        level, _, kwargs = _recording_above.call
+        _recording_above.active = True
+        try:
+            return _apply_batched(level, function, args, kwargs)
+        finally:
+            _recording_above.active = False
+
+    def setup_context(ctx, inputs, output):
+        return function.setup_context(ctx, inputs, output)
+
+    def backward(ctx, *grads):
+        return user_backward(function)(ctx, *grads)
+
+    def jvp(ctx, *tangents):
+        return function.jvp(ctx, *tangents)
+
+    members = {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "jvp": staticmethod(jvp),
+        "__qualname__": f"{name}AboveVmap",
+    }
+    return type(f"{name}AboveVmap", (torch.autograd.Function,), members)
+
+
+def _apply_batched(level, function, args, kwargs):
     name = function.__name__
     if not is_new_style(function):
         return _per_sample(level, function, args, kwargs)

@@ -171,7 +171,9 @@ def _batch_here(interp, t):
     above the batch dim, so the batch enters through an op that dispatches through it (a
     product with ones, exact for every value)."""
     batch = interp.batch_size
-    if level_of(t) < interp.level:
+    if level_of(t) < interp.level and not interp.ad_above:
+        # (with AD above this level, torch's autograd records on this level's tensors: the
+        # batch must enter through an op it records, the product below)
         return interp.wrap(t.expand(batch, *t.shape))
     ones = interp.wrap(torch.ones((), dtype=t.dtype, device=t.device).expand(batch))
     return t * ones

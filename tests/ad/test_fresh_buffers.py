@@ -1,7 +1,8 @@
 """In-place writes of differentiated values into buffers made inside the function, under
 nested transforms (functx/ad/lifting.py): second derivatives through them are right, and a
-write into a tensor from outside the function (a captured tensor) is refused as torch.func
-refuses it. References: plain torch.autograd with create_graph (one tape, no levels),
+write into a tensor from outside the function (a captured tensor) is refused by wrapped
+levels as torch.func refuses it (levels on values, ad/choose.py, record it as plain torch
+does). References: plain torch.autograd with create_graph (one tape, no levels),
 closed forms, torch.func."""
 
 import pytest
@@ -86,8 +87,10 @@ def test_hessian_through_a_copied_vector_input():
     torch.testing.assert_close(functx.hessian(f)(x), torch.diag(2 * x.cos() - x * x.sin()))
 
 
-@pytest.mark.parametrize("outer", ["grad", "jvp"])
+@pytest.mark.parametrize("outer", ["jacfwd", "hessian"])
 def test_write_into_a_captured_tensor_is_refused(outer):
+    """A wrapped level refuses (jacfwd's jvp level and the grad inside it, hessian's inner
+    jacrev): the captured tensor would carry the level's history."""
     captured = torch.zeros(3, dtype=D)
 
     def f(a):
@@ -95,12 +98,55 @@ def test_write_into_a_captured_tensor_is_refused(outer):
         return captured.sin().sum()
 
     x = torch.randn(3, dtype=D)
-    inner = functx.grad(f)
     with pytest.raises(RuntimeError, match="captured tensor"):
-        if outer == "grad":
-            functx.grad(lambda v: inner(v).sum())(x)
+        if outer == "jacfwd":
+            functx.jacfwd(functx.grad(f))(x)
         else:
-            functx.jvp(inner, (x,), (torch.ones_like(x),))
+            functx.hessian(f)(x)
+    assert current_stack() == ()
+
+
+def test_write_into_a_captured_tensor_under_an_outer_jvp_is_refused():
+    """An outermost jvp wraps (choose.JVP_ON_VALUES is off), so the grad inside it wraps and
+    refuses the write of a differentiated value into a captured tensor, naming it."""
+    captured = torch.zeros(3, dtype=D)
+
+    def f(a):
+        captured.copy_(a)
+        return captured.sin().sum()
+
+    x = torch.randn(3, dtype=D)
+    with pytest.raises(RuntimeError, match="captured tensor"):
+        functx.jvp(functx.grad(f), (x,), (torch.randn(3, dtype=D),))
+    assert current_stack() == ()
+
+
+@pytest.mark.parametrize("outer", ["grad", "vjp"])
+def test_write_into_a_captured_tensor_under_levels_on_values(outer):
+    """A grad right inside an outermost grad/vjp is direct on the values (choose.py), as
+    the outermost grad is: torch's autograd records the write as plain torch does, so the
+    derivatives are those of plain torch.autograd (d^2/dx^2 sum(sin x) = -sin x), and the
+    captured tensor is left holding the value (and, like after plain autograd, a graph)."""
+    captured = torch.zeros(3, dtype=D)
+
+    def f(a):
+        captured.copy_(a)
+        return captured.sin().sum()
+
+    x = torch.randn(3, dtype=D)
+    t = torch.randn(3, dtype=D)
+    inner = functx.grad(f)
+    if outer == "grad":
+        got, want = functx.grad(lambda v: (inner(v) * t).sum())(x), -x.sin() * t
+    elif outer == "jvp":
+        got, want = functx.jvp(inner, (x,), (t,))[1], -x.sin() * t
+    else:
+        got, want = functx.vjp(inner, x)[1](t)[0], -x.sin() * t
+    torch.testing.assert_close(got, want)
+    leaf = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(leaf), leaf, create_graph=True)
+    torch.testing.assert_close(got, torch.autograd.grad(g, leaf, t)[0])  # plain torch.autograd
+    torch.testing.assert_close(captured, x)
     assert current_stack() == ()
 
 

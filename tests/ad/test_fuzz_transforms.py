@@ -1093,3 +1093,39 @@ def test_regression_jacfwd_of_jvp_of_jvp_write_into_clone_whose_tangent_is_unbat
     target's tangent must also live at every level of the tangents written into it."""
     program = Program([(3,)], [Op("pow", p=2), Op("sum", dim=None), Op("clone_sin_"), Op("clone_mul_", seed=0)])
     check(Case(program, [T("jacfwd", argnums=0), T("jvp", seed=0), T("jvp", seed=0)], seed=0))
+
+
+def test_regression_jvp_on_values_with_inner_jvp_under_vmap():
+    """An outermost jvp running torch's forward AD on plain values, with another jvp inside
+    (under vmap, closing over the outer's tensors), re-set forward grads: torch asserted."""
+    check(
+        Case(
+            Program([(3,)], [Op("sin"), Op("sin")]),
+            [T("jvp", seed=0), T("vmap", in_dims=(0,), out_dims=0, size=1, mix=True), T("jvp", seed=0)],
+            seed=0,
+        )
+    )
+
+
+def test_regression_jvp_on_values_over_jacrev_of_jvp():
+    """The same strategy under jacrev with an inner jvp: every value silently wrong (the
+    levels' tangents on the same plain tensors were confused)."""
+    check(
+        Case(
+            Program([(3,)], [Op("clone_mul_", seed=0), Op("sin")]),
+            [T("jvp", seed=0), T("jacrev", argnums=0, mix=True), T("jvp", seed=0, mix=True)],
+            seed=0,
+        )
+    )
+
+
+def test_regression_jacfwd_write_into_clone_of_expand():
+    """A view's fast path gave an `expand`ed tangent that the clone written into shared:
+    torch refused the in-place tangent write (internal overlap)."""
+    check(
+        Case(
+            Program([(3,), (3,)], [Op("expand"), Op("clone_mul_", seed=0), Op("sin"), Op("binary", kind="add", j=1)]),
+            [T("jacfwd", argnums=(0, 1))],
+            seed=0,
+        )
+    )

@@ -10,7 +10,7 @@ split in `batch_size` equal parts).
 
 import torch
 
-from ..batched_tensor import VMAP_RULES
+from ..batched_tensor import METADATA_RULES, VMAP_RULES
 
 aten = torch.ops.aten
 
@@ -71,6 +71,9 @@ def _is_same_size(interp, a, b):
     return a.shape == b.shape
 
 
+METADATA_RULES[aten.is_same_size.default] = _is_same_size
+
+
 def _element_storage_numel(interp, x):
     """The storage size of one batch element: a batched tensor's physical storage is its
     elements' storages side by side (what the rule above makes, and every view of it) when
@@ -91,3 +94,6 @@ def _has_same_storage_numel(interp, a, b):
     # like the primal, the rule above).
     numel_a = _element_storage_numel(interp, a)
     return numel_a is not None and numel_a == _element_storage_numel(interp, b)
+
+
+METADATA_RULES[aten._has_same_storage_numel.default] = _has_same_storage_numel

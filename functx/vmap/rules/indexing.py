@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ...core.custom_function import apply_original as _apply_original
 from ..batched_tensor import VMAP_RULES
 from ..templates import materialize, normalize_dim, pad_to_rank, raise_unbatched_inplace
 from .data_dependent import _data_dependent_rule
@@ -485,10 +486,63 @@ def _offset_indices(interp, indices, num_weights: int) -> Tensor:
     return value + offsets
 
 
+class BatchedEmbedding(torch.autograd.Function):
+    """A VJP override for the per-element lookup under a direct grad level (`vmap(grad(f))`
+    through nn.Embedding: torch's autograd records the physical ops, ad/direct_reverse.py).
+    The level gives the shared table its batch dim as an expand, (B, V, D) with stride 0:
+    stacking it into one (B * V, D) table for a lookup at offset indices copies it B times
+    (64 MB per call for B=64, V=4000, D=64). Here the lookup reads the one table, and the
+    backward scatters each element's rows into its own (V, D) gradient, as the batched
+    `embedding_dense_backward` does. Its backward is one differentiable op, so a gradient
+    built with create_graph=True differentiates through it."""
+
+    # forward(ctx, ...) without setup_context: torch binds a setup_context Function's
+    # arguments with inspect.signature on every apply (~20 µs)
+    @staticmethod
+    def forward(ctx, table, offset_indices, indices, padding_idx):
+        ctx.save_for_backward(offset_indices)
+        ctx.table_shape = table.shape
+        ctx.padding_idx = padding_idx
+        if table.stride(0) == 0 and table.shape[0]:  # one table for every element
+            return aten.embedding(table[0], indices)
+        batch, num_weights = table.shape[:2]
+        return aten.embedding(table.reshape(batch * num_weights, *table.shape[2:]), offset_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (offset_indices,) = ctx.saved_tensors
+        batch, num_weights, dim = ctx.table_shape
+        out = aten.embedding_dense_backward(grad, offset_indices, batch * num_weights, -1, False)
+        out = out.view(batch, num_weights, dim)
+        if ctx.padding_idx >= 0:  # "this row gets no gradient", in every element's table
+            out = out.index_fill(1, torch.tensor([ctx.padding_idx], device=out.device), 0)
+        return out, None, None, None
+
+
+def _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """`BatchedEmbedding` where a direct grad level differentiates the table (2-d, dense,
+    not scaled by frequency); None otherwise."""
+    direct = interp.direct_ad
+    if direct is None or direct.forward_mode or scale_grad_by_freq or sparse or weight.dim() != 2:
+        return None
+    table = materialize(interp, weight)
+    if type(table) is not Tensor or not table.requires_grad or not torch.is_grad_enabled():
+        return None
+    value = materialize(interp, indices)
+    if type(value) is not Tensor:
+        return None
+    offsets = _batch_arange(interp, value, indices.dim()) * weight.shape[0]
+    out = _apply_original(BatchedEmbedding, table, value + offsets, value, padding_idx)
+    return interp.wrap(out)
+
+
 @VMAP_RULES.register(aten.embedding.default)
 def _embedding(interp, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if not interp.is_batched(weight) and not scale_grad_by_freq:
         return interp.wrap(aten.embedding(weight, indices._value, padding_idx, scale_grad_by_freq, sparse))
+    out = _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    if out is not None:
+        return out
     # An ensemble of tables: one lookup into the stacked tables. Per-element counts
     # (scale_grad_by_freq) stay right because the offset indices never collide; that is
     # also why a shared table is stacked (copied) when it scales by frequency.

@@ -74,6 +74,20 @@ def _native_layer_norm(interp, input, normalized_shape, weight=None, bias=None, 
 
 
 _layer_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_layer_norm_backward.default]
+_unpack_dual = torch._VF._unpack_dual
+
+
+def _statistics_with_tangents(interp, input, normalized_shape, mean, rstd):
+    """`mean` and `rstd` of layer norm recomputed from `input` (differentiable ops, so
+    forward AD gives them their tangents); eps, which the backward op is not given, is the
+    constant that makes the recomputed rstd the given one (computed from the primals of
+    the physical values, which carry no tangent)."""
+    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    new_mean = input.mean(dims, keepdim=True)
+    var = (input - new_mean).pow(2).mean(dims, keepdim=True).view(rstd.shape)
+    primal = lambda t: _unpack_dual(materialize(interp, t), 0)[0]  # noqa: E731
+    eps = interp.wrap(primal(rstd).pow(-2) - primal(var))
+    return new_mean.view(mean.shape), (var + eps).rsqrt()
 
 
 @VMAP_RULES.register(aten.native_layer_norm_backward.default)
@@ -81,7 +95,19 @@ def _native_layer_norm_backward(interp, grad_out, input, normalized_shape, mean,
     """Per-sample gradients of layer norm (vmap of grad): the input gradient is one call on
     the physical tensors (the batch is one more leading dim); the weight and bias
     gradients sum over the logical leading dims only, so they stay per batch element.
-    A batched weight or bias (ensembles) goes through torch's decomposition."""
+    A batched weight or bias (ensembles) goes through torch's decomposition.
+
+    Under a direct jvp level (forward AD on the physical tensors: forward-over-reverse
+    Hessian-vector products of batched primals, `vmap(jvp(grad(f)))`), `mean` and `rstd`
+    carry no tangent (torch's forward AD gives the statistics none), so every formula that
+    reads them would miss their dependence on the input: they are recomputed from the
+    input (same values, their tangents now right) and torch's decomposition runs on them."""
+    direct = interp.direct_ad
+    if direct is not None and direct.forward_mode:
+        mean, rstd = _statistics_with_tangents(interp, input, normalized_shape, mean, rstd)
+        return _layer_norm_backward_decomposition(
+            grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+        )
     if _any_batched(interp, weight, bias):
         return _layer_norm_backward_decomposition(
             grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
@@ -260,3 +286,32 @@ def _batch_norm_with_update(interp, input, weight, bias, running_mean, running_v
 def _batch_norm_no_update(interp, input, weight, bias, running_mean, running_var, momentum, eps):
     outputs = _batch_norm(interp, input, weight, bias, running_mean, running_var, False, momentum, eps)
     return _with_reserve(interp, input, outputs)
+
+
+_batch_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
+
+
+@VMAP_RULES.register(aten.native_batch_norm_backward.default)
+def _native_batch_norm_backward(
+    interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
+    """torch's decomposition, on this level's tensors. Under a direct jvp level (forward AD on
+    the physical tensors, `vmap(jvp(grad(f)))` of batched primals) the saved statistics of
+    training mode carry no tangent: they are recomputed from the input first (same values,
+    their tangents now right; see `_native_layer_norm_backward`)."""
+    direct = interp.direct_ad
+    if train and save_mean is not None and direct is not None and direct.forward_mode:
+        dims = [0, *range(2, input.dim())]
+        save_mean = input.mean(dims)
+        centered = input - save_mean.view(1, -1, *((1,) * (input.dim() - 2)))
+        save_invstd = (centered.pow(2).mean(dims) + eps).rsqrt()
+    out = _batch_norm_backward_decomposition(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+    )
+    if out is NotImplemented:
+        from ..fallback import loop_fallback
+
+        return loop_fallback(aten.native_batch_norm_backward.default)(
+            interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+        )
+    return out

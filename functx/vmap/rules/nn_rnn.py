@@ -12,7 +12,7 @@ recomputes the layer with autograd instead of reading it.
 import torch
 import torch.nn.functional as F
 
-from ..batched_tensor import VMAP_RULES, BatchedTensor
+from ..batched_tensor import RULES_USING_AUTOGRAD, VMAP_RULES, BatchedTensor
 
 aten = torch.ops.aten
 
@@ -58,8 +58,12 @@ def _mkldnn_rnn_layer_backward(
         return t.detach().requires_grad_()
 
     with torch.enable_grad():
-        leaves = [fresh_leaf(t) for t in (x, w_ih, w_hh, b_ih, b_hh, hx, cx)]
-        recomputed = _lstm_layer(*leaves, reverse)
+        leaves = [fresh_leaf(t) for t in (x, w_ih, w_hh, b_ih, b_hh, hx, cx)]  # the op's input order
+        x_, w_ih_, w_hh_, b_ih_, b_hh_, hx_, cx_ = leaves
+        recomputed = _lstm_layer(x_, hx_, cx_, w_ih_, w_hh_, b_ih_, b_hh_, reverse)
         pairs = [(out, g) for out, g in zip(recomputed, (grad_output, grad_hy, grad_cy)) if g is not None]
         grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves))
+
+
+RULES_USING_AUTOGRAD.add(aten.mkldnn_rnn_layer_backward.default)
