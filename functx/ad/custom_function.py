@@ -26,7 +26,7 @@ import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
-from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, user_backward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
 from .direct_forward import DirectJvpLevel
 from .wrapped_forward import WrappedJvpLevel, make_duals
 from .wrapped_reverse import WrappedGradLevel
@@ -53,25 +53,12 @@ def single_level_function(function):
             outputs = function.apply(*values)  # one level down (maybe another transform)
         return _wrap_outputs(level, outputs, args, values)
 
-    def setup_context(ctx, inputs, output):
-        return function.setup_context(ctx, inputs, output)
-
-    def backward(ctx, *grads):
-        return user_backward(function)(ctx, *grads)
-
     def jvp(ctx, *tangents):
         if function.jvp is torch.autograd.Function.jvp:
             raise RuntimeError(_no_jvp_message(name))
         return function.jvp(ctx, *tangents)
 
-    members = {
-        "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward),
-        "jvp": staticmethod(jvp),
-        "__qualname__": f"{name}AtLevel",
-    }
-    return type(f"{name}AtLevel", (torch.autograd.Function,), members)
+    return with_forward(function, forward, "AtLevel", jvp)
 
 
 def _wrap_outputs(level, outputs, args, values):

@@ -94,6 +94,31 @@ def user_backward(function):
     return function.backward
 
 
+def with_forward(function, forward, suffix, jvp=None):
+    """A Function class running `forward` and the user's `setup_context`, `backward` and
+    (unless `jvp` is given) `jvp`: how a level applies a user's Function its own way while
+    torch's autograd records it as the user's."""
+
+    def setup_context(ctx, inputs, output):
+        return function.setup_context(ctx, inputs, output)
+
+    def backward(ctx, *grads):
+        return user_backward(function)(ctx, *grads)
+
+    def user_jvp(ctx, *tangents):
+        return function.jvp(ctx, *tangents)
+
+    name = f"{function.__name__}{suffix}"
+    members = {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "jvp": staticmethod(jvp or user_jvp),
+        "__qualname__": name,
+    }
+    return type(name, (torch.autograd.Function,), members)
+
+
 def is_new_style(function) -> bool:
     """torch 2.x style: `forward` without ctx plus a `setup_context` staticmethod."""
     return _is_setup_context_defined(function.setup_context)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward, with_forward
 from ..core.errors import PerformanceWarning
 from .batched_tensor import VmapInterpreter
 
@@ -82,8 +82,6 @@ def _apply_recorded_above(level, function, args, kwargs):
 
 
 def _recorded_above_function(function):
-    name = function.__name__
-
     def forward(*args):
         level, _, kwargs = _recording_above.call
         _recording_above.active = True
@@ -92,23 +90,7 @@ def _recorded_above_function(function):
         finally:
             _recording_above.active = False
 
-    def setup_context(ctx, inputs, output):
-        return function.setup_context(ctx, inputs, output)
-
-    def backward(ctx, *grads):
-        return user_backward(function)(ctx, *grads)
-
-    def jvp(ctx, *tangents):
-        return function.jvp(ctx, *tangents)
-
-    members = {
-        "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward),
-        "jvp": staticmethod(jvp),
-        "__qualname__": f"{name}AboveVmap",
-    }
-    return type(f"{name}AboveVmap", (torch.autograd.Function,), members)
+    return with_forward(function, forward, "AboveVmap")
 
 
 def _apply_batched(level, function, args, kwargs):
