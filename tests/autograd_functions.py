@@ -224,9 +224,9 @@ class Mul(torch.autograd.Function):
         return grad * y, grad * x
 
     @staticmethod
-    def jvp(ctx, tx, ty):
+    def jvp(ctx, tx, ty):  # a tangent is None where its input has none
         x, y = ctx.saved_tensors
-        return tx * y + x * ty
+        return (0 if tx is None else tx * y) + (0 if ty is None else x * ty)
 
 
 class KwargOnly(torch.autograd.Function):

@@ -42,6 +42,7 @@ from torch._dynamo.variables.higher_order_ops import make_attr, speculate_subgra
 
 from ..ad import forward, reverse
 from ..functionalize import api as functionalize_api
+from ..nn.functional_call import _merge_dicts
 from ..vmap import api as vmap_api
 from .staged_call import StagedCall
 
@@ -253,13 +254,7 @@ def _functional_call_as_torch(module, parameter_and_buffer_dicts, args=None, kwa
     """What dynamo traces for `functx.functional_call`: torch's reparametrization, which
     dynamo knows (functx's own swaps module attributes, a side effect a staged body may not
     have). Same semantics as functx's for everything but `return_state`."""
-    dicts = parameter_and_buffer_dicts
-    if isinstance(dicts, dict):
-        merged = dicts
-    else:
-        merged = {}
-        for d in dicts:
-            merged.update(d)
+    merged = _merge_dicts(parameter_and_buffer_dicts)  # functx's own checks and errors
     if args is None:
         args = ()
     elif not isinstance(args, tuple):

@@ -21,6 +21,7 @@ from functx.ad.direct_reverse import DirectGradLevel
 from functx.core.interpreter import current_stack
 from functx.vmap.batched_tensor import VmapInterpreter
 from tests.ad import finite_differences as fd
+from tests.autograd_functions import Cube, Mul, OnceDifferentiableExp
 
 D = torch.float64
 SIZES = (5, 7, 6, 3)
@@ -256,48 +257,14 @@ def test_grad_of_grad_on_values_keeps_levels_apart():
 
 
 def test_function_without_jvp_is_refused_clearly_on_values():
-    class OnceExp(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.exp()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(output)
-
-        @staticmethod
-        def backward(ctx, g):
-            (out,) = ctx.saved_tensors
-            return g * out
-
     x = torch.randn(3, dtype=D)
-    with pytest.raises(RuntimeError, match="OnceExp has no jvp staticmethod"):
-        functx.jvp(OnceExp.apply, (x,), (x,))
+    with pytest.raises(RuntimeError, match="OnceDifferentiableExp has no jvp staticmethod"):
+        functx.jvp(OnceDifferentiableExp.apply, (x,), (x,))
     assert current_stack() == ()
     # a Function with a jvp runs it: HVP of a Function-built loss (forward over reverse)
-    class Cube(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x**3
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-            ctx.save_for_forward(inputs[0])
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 3 * x**2 * g
-
-        @staticmethod
-        def jvp(ctx, t):
-            (x,) = ctx.saved_tensors
-            return 3 * x**2 * t
-
     v = torch.randn(3, dtype=D)
-    torch.testing.assert_close(functx.jvp(Cube.apply, (x,), (v,))[1], 3 * x**2 * v)
-    torch.testing.assert_close(functx.jvp(functx.grad(lambda a: Cube.apply(a).sum()), (x,), (v,))[1], 6 * x * v)
+    torch.testing.assert_close(functx.jvp(lambda a: Cube.apply(a, 1.0), (x,), (v,))[1], 3 * x**2 * v)
+    torch.testing.assert_close(functx.jvp(functx.grad(lambda a: Cube.apply(a, 1.0).sum()), (x,), (v,))[1], 6 * x * v)
 
 
 def test_jvp_on_values_leaves_inputs_alone_and_detach_stops_it():
@@ -371,29 +338,6 @@ def test_reverse_over_forward_on_plain_duals(name):
     torch.testing.assert_close(functx.jvp(f, (x,), (t,))[1], torch.func.jvp(f, (x,), (t,))[1])
 
 
-class _Mul(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, y):
-        return x * y
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, y = ctx.saved_tensors
-        return g * y, g * x
-
-    @staticmethod
-    def jvp(ctx, tx, ty):
-        x, y = ctx.saved_tensors
-        return (0 if tx is None else tx * y) + (0 if ty is None else x * ty)
-
-
 class _Sin(torch.autograd.Function):
     @staticmethod
     def forward(x):
@@ -425,7 +369,7 @@ def test_functions_under_levels_on_values_inside_vmap(fn):
     torch.manual_seed(8)
     w = torch.randn(3, dtype=D)
     xs, cs = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
-    f = (lambda w, x: _Mul.apply(w, x).exp()) if fn == "generate_vmap_rule" else (lambda w, x: _Sin.apply(w * x))
+    f = (lambda w, x: Mul.apply(w, x).exp()) if fn == "generate_vmap_rule" else (lambda w, x: _Sin.apply(w * x))
     got = functx.vmap(lambda x, c: functx.vjp(lambda w: f(w, x), w)[1](c)[0])(xs, cs)
     want = []
     for x, c in zip(xs, cs):

@@ -282,6 +282,11 @@ def test_errors_are_the_eager_ones():
     with pytest.raises(ValueError) as compiled:
         torch.compile(bad_in_dims, backend="aot_eager")(x)
     assert str(compiled.value) == str(eager.value)
+    # functional_call traced as torch's reparametrization keeps functx's checks
+    doubled = lambda v: functx.functional_call(MODEL, (PARAMS, {"0.bias": PARAMS["0.bias"]}), (v,))  # noqa: E731
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="appeared in multiple dictionaries"):
+        torch.compile(doubled, backend="aot_eager")(_randn(3, seed=25))
     not_scalar = lambda v: functx.grad(torch.sin)(v)  # noqa: E731
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="Expected f\\(\\*args\\) to return a scalar Tensor"):
