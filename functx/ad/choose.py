@@ -12,7 +12,9 @@
   levels is plain (below them only outermost direct grad levels; for `jvp` nothing: an AD
   level below would differentiate torch's forward formulas in C++, and some of those
   cannot be differentiated right, see wrapped_forward._DECOMPOSED_WHEN_NESTED) and the
-  inputs are real;
+  inputs are real; for `jvp` only when some primal is batched there (the physical level
+  copies every primal to each batch element: with shared primals and batched tangents,
+  the Hessian times a matrix, that computed the primal k times, 2.2x torch.func);
 - direct on values (no vmap levels of its own; torch's autograd or forward AD on the
   tensors the function computes with, the BatchedTensors of vmap levels below included,
   whose rules then run below autograd: `VmapInterpreter.ad_above`):
@@ -22,7 +24,8 @@
   dispatch); `vjp` of plain inputs under vmap levels and such levels (its `vjp_fn` is
   a backward on values, right under whatever levels it is called later, as the outermost
   vjp's is). A `jvp` inside any AD level wraps (reverse over torch's forward formulas is not
-  always right on plain tensors, wrapped_forward.py);
+  always right on plain tensors, wrapped_forward.py). Levels opened inside a jvp on values
+  keep its tangents off their wrappers (core/dual_values.py);
 - everything else wraps. `vjp` of batched inputs does because a user's `vjp_fn` may be called
   later under any levels (linearize and jvp's fallback call it under a new grad level, which
   a physical graph cannot serve); `jacfwd` because its columns would each recompute the
@@ -38,7 +41,7 @@ import torch
 
 from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor
-from ..vmap.batched_tensor import VmapInterpreter
+from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
 from ..vmap.chain import vmap_levels_on_top
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
@@ -46,7 +49,6 @@ from .wrapped_forward import WrappedJvpLevel
 from .wrapped_reverse import WrappedGradLevel
 
 REVERSE = ("grad", "vjp", "jacrev")
-JVP_ON_VALUES = False
 FORWARD = ("jvp", "jacfwd")
 
 
@@ -117,6 +119,11 @@ def _jvp_on_values(stack, primals, tangents) -> bool:
     return True
 
 
+def _batched_by(vmap_levels, x) -> bool:
+    """Whether `x` is batched at any of `vmap_levels` (their wrappers are outermost on it)."""
+    return type(x) is BatchedTensor and x._interp in vmap_levels
+
+
 def choose_level(transform: str, differentiated):
     """A new AD level for one call of `transform` ("grad", "vjp", "jacrev", "jvp" or
     "jacfwd") whose differentiated inputs are the tensors in `differentiated`."""
@@ -141,10 +148,10 @@ def choose_level(transform: str, differentiated):
         raise ValueError(f"unknown transform {transform!r}")
     if transform == "jvp":
         primals, tangents = differentiated
-        if JVP_ON_VALUES and _jvp_on_values(stack, primals, tangents):
+        if _jvp_on_values(stack, primals, tangents):
             return DirectJvpLevel(())
         if stack:
             vmap_levels = vmap_levels_on_top(stack, _nothing, differentiated)
-            if vmap_levels is not None:
+            if vmap_levels is not None and any(_batched_by(vmap_levels, p) for p in primals):
                 return DirectJvpLevel(vmap_levels)
     return WrappedJvpLevel()

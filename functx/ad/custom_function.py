@@ -26,6 +26,7 @@ import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
+from ..core.dual_values import level_rule
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
 from .direct_forward import DirectJvpLevel
 from .wrapped_forward import WrappedJvpLevel, make_duals
@@ -86,6 +87,11 @@ def _no_jvp_message(name):
 def apply_at_grad_level(level, function, args, kwargs):
     """`function.apply(*args)` where `level` (a wrapped grad level, or a wrapped jvp level's
     carriers) is the highest level."""
+    with level_rule():
+        return _apply_at_grad_level(level, function, args, kwargs)
+
+
+def _apply_at_grad_level(level, function, args, kwargs):
     if not is_new_style(function):
         return apply_original(function, *args, **kwargs)
     generated = cached_on_class(function, "single_level", single_level_function)
@@ -99,6 +105,11 @@ def apply_at_grad_level(level, function, args, kwargs):
 
 def apply_at_jvp_level(level, function, args, kwargs):
     """`function.apply(*args)` where `level` (a wrapped jvp level) is the highest level."""
+    with level_rule():
+        return _apply_at_jvp_level(level, function, args, kwargs)
+
+
+def _apply_at_jvp_level(level, function, args, kwargs):
     # torch's autograd.Function differentiates its tensor arguments, not tensors inside
     # containers: those go in as primals, without tangents (as in torch.func)
     args = tuple(
@@ -115,7 +126,7 @@ def apply_at_jvp_level(level, function, args, kwargs):
         if plain:  # torch's own apply on the duals calls its jvp
             outputs = function.apply(*duals, **kwargs)
         else:  # on this level's carriers: the single-level Function, whose jvp is the user's
-            outputs = apply_at_grad_level(level, function, duals, kwargs)
+            outputs = _apply_at_grad_level(level, function, duals, kwargs)
     for arg, dual in zip(args, duals):  # an input returned (marked dirty): itself
         if outputs is dual:
             return arg

@@ -18,7 +18,9 @@ through vmap's rules, which then run below autograd (`ad_above`, batched_tensor.
 torch.func's C++ levels do. Levels opened inside keep apart from it: a `grad` inside is
 direct too (torch's autograd records on the dual tensors, and its backward formulas carry
 their tangents: forward-over-reverse), a `jvp` inside wraps with carriers (its level is
-`nested`, wrapped_forward.py), so its own tangents never meet this level's plain tensors.
+`nested`, wrapped_forward.py), so its own tangents never meet this level's plain tensors,
+and no level opened inside lets this level's tangents onto its wrappers, where they would
+be confused with its own (core/dual_values.py).
 
     >>> import torch, functx
     >>> x = torch.randn(3, 2)

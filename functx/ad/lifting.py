@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core.dual_values import call_at_values, in_level_rule
 from ..core.errors import op_name
 from ..core.factories import FACTORIES
 from ..core.level_tensor import level_of
@@ -53,7 +54,10 @@ class FactoryLifting(TorchFunctionMode):
             out = rule(self.level, args, kwargs or {})
             if out is not NotImplemented:
                 return out
-        out = func(*args, **(kwargs or {}))
+        if self.level.over_dual_values and not in_level_rule():  # core/dual_values.py
+            out = call_at_values(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         if (
             func in FACTORIES
             and isinstance(out, torch.Tensor)

@@ -51,6 +51,7 @@ import torch
 import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
+from ..core.dual_values import one_level_down_over_dual_values
 from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
 from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
@@ -195,22 +196,6 @@ def _as_outside():
     if _tls_excluded(_AUTOGRAD_CPU) or _tls_excluded(_ADInplaceOrView):
         return _InsideOut()
     return _no_context
-
-
-class _DownWithForwardAD:
-    """`_restore_autograd()` plus torch's forward AD switched on: what a level over a jvp on
-    values runs its ops one level down with (`WrappedJvpLevel._one_level_down`)."""
-
-    __slots__ = ("_guards",)
-
-    def __enter__(self):
-        self._guards = (_restore_autograd(), _forward_ad_on())
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
 
 
 class _InsideOut:
@@ -425,7 +410,7 @@ def _op_kind(op):
 class WrappedJvpLevel(WrappedLevel):
     """One `jvp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ("nested", "over_dual_values", "over_plain_grads")
+    __slots__ = ("nested", "over_plain_grads")
     torch_function_rules = _TORCH_FUNCTION_RULES
 
     def __init__(self):
@@ -435,12 +420,11 @@ class WrappedJvpLevel(WrappedLevel):
         # another AD level below differentiates what this one computes: carriers for every op
         # (see the module docstring), and _DECOMPOSED_WHEN_NESTED
         self.nested = any(isinstance(level, ADLevel) for level in stack)
-        # a jvp level on values below (direct_forward.py, k = 0) attaches its tangents to plain
-        # tensors at torch's one dual level: every plain argument of an op of this level may
-        # carry one, which torch would take for this level's. Then every tensor argument goes
-        # in as a carrier, so only this level's tangents are attached where the op's formulas
-        # see them; the outer tangents flow one level down, when the carriers are unwrapped.
-        self.over_dual_values = any(getattr(level, "dual_values", False) for level in stack)
+        # `over_dual_values` (a jvp level on values below, direct_forward.py, k = 0): its
+        # tangents sit on plain tensors at torch's one dual level, which torch would take
+        # for this level's. Then every tensor argument of an op goes in as a carrier, so only
+        # this level's tangents are attached where the op's formulas see them; the outer
+        # tangents flow one level down (core/dual_values.py), when the carriers are unwrapped.
         # only grad levels on plain values below (reverse over forward: grad(jvp(f)), a
         # Hessian-vector product): torch's autograd differentiates the formulas of the ops in
         # `_PLAIN_UNDER_GRAD` right on plain duals, so those need no carriers
@@ -454,7 +438,7 @@ class WrappedJvpLevel(WrappedLevel):
         `jvp` (which this level runs on its carriers), and the tangents of the level below
         must flow through what that computes."""
         if self.over_dual_values:
-            return _DownWithForwardAD()
+            return one_level_down_over_dual_values(force_on=True)
         return _restore_autograd()
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
@@ -797,7 +781,7 @@ def make_duals(primals, tangents, carrier=None, every=False):
 
     def dual(p, t):
         if t is None:
-            if every and isinstance(p, torch.Tensor) and not isinstance(p, LevelTensor):
+            if every and isinstance(p, torch.Tensor):
                 return DualTensor(p, None, carrier)
             return p
         if carrier is not None:

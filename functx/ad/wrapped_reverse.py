@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from ..core.dual_values import at_wrappers, call_at_values, down_state
 from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
@@ -73,10 +74,18 @@ class WrappedGradLevel(WrappedLevel):
     def gradient(self, output, leaves):
         # Results leave as values one level down, where any graph they have belongs to the
         # levels below: gradients are always built with create_graph=True at this level.
-        return autograd_grad([output], leaves, create_graph=True)
+        with self._backward_context():
+            return autograd_grad([output], leaves, create_graph=True)
 
     def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
-        return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+        with self._backward_context():
+            return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+
+    def _backward_context(self):
+        """Over a jvp level on values, the backward's formulas on this level's wrappers run
+        with forward AD off; their ops one level down switch it on (core/dual_values.py).
+        (A `vjp_fn` called after the level finished runs its ops on the values directly.)"""
+        return at_wrappers() if self.over_dual_values and self.alive else _no_context
 
     def depends(self, output) -> bool:
         """Whether `output` depends on this level's differentiated inputs."""
@@ -125,7 +134,10 @@ class WrappedGradLevel(WrappedLevel):
         # too would also record the op on the BatchedTensor wrappers: a second graph nobody
         # differentiates (and its saved-tensor detaches).
         with _no_context if _lands_in_vmap(values) else _restore_autograd():
-            if self.prev_grad_mode:
+            if self.over_dual_values:  # core/dual_values.py
+                with _no_context if self.prev_grad_mode else torch.no_grad():
+                    out = call_at_values(op, values, kw_values, down_state())
+            elif self.prev_grad_mode:
                 out = op(*values, **kw_values)
             else:
                 with torch.no_grad():

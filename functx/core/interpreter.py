@@ -41,11 +41,16 @@ class Interpreter:
     with this level's outputs wrapped.
     """
 
-    __slots__ = ("level", "alive", "__weakref__")
+    __slots__ = ("level", "alive", "over_dual_values", "__weakref__")
 
     def __init__(self):
         self.level = next(_level_counter)
         self.alive = True
+        # Opened inside a jvp level on values (ad/direct_forward.py, no vmap levels of its
+        # own), whose tangents sit on plain tensors at torch's one dual level: torch's
+        # forward AD must stay off at this level's wrappers (level_tensor.py
+        # `wraps_over_dual_values`).
+        self.over_dual_values = any(getattr(level, "dual_values", False) for level in _stack.interpreters)
 
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -93,6 +93,10 @@ class FunctionalizeInterpreter(Interpreter):
     def __init__(self, reapply_views: bool):
         super().__init__()
         self.reapply_views = reapply_views
+        # Inside a jvp level on values, torch's forward AD stays on at this level's wrappers
+        # (core/dual_values.py): the Functionalize kernels run below autograd on the C++
+        # functional tensors, so the wrappers' own tangents are the only ones they get.
+        self.over_dual_values = False
 
     def pushed(self):
         from .lifting import FactoryLifting

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.dual_values import one_level_down_over_dual_values
 from ..core.errors import DeadLevelError
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write
@@ -120,6 +121,11 @@ class VmapInterpreter(Interpreter):
             with _restore_autograd(), _below_autograd():
                 return handler(self, *args, **kwargs)
         direct = self.direct_ad
+        if self.over_dual_values:
+            # opened inside a jvp level on values: its tangents flow through the physical
+            # values, never through this level's wrappers (core/dual_values.py)
+            with one_level_down_over_dual_values():
+                return handler(self, *args, **kwargs)
         if direct is not None and direct.forward_mode:
             # torch calls an autograd.Function's jvp with forward AD off; the physical
             # tangents here are a direct jvp level's (an outer level's), which must flow on

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..core.factories import FACTORIES
+from ..core.dual_values import call_at_values, in_level_rule
 from ..core.level_tensor import LevelTensor, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 from .chain import peel
@@ -89,7 +90,10 @@ class RandomnessMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = _RANDOM_FUNCS.get(func)
         if kind is None:
-            out = func(*args, **kwargs)
+            if self.interp.over_dual_values and not in_level_rule():  # core/dual_values.py
+                out = call_at_values(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
             direct = self.interp.direct_ad
             if direct is not None and func in FACTORIES and direct.lifts_buffers:
                 return _lift_buffer(self.interp, direct, out)

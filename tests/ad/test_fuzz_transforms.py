@@ -1097,7 +1097,8 @@ def test_regression_jacfwd_of_jvp_of_jvp_write_into_clone_whose_tangent_is_unbat
 
 def test_regression_jvp_on_values_with_inner_jvp_under_vmap():
     """An outermost jvp running torch's forward AD on plain values, with another jvp inside
-    (under vmap, closing over the outer's tensors), re-set forward grads: torch asserted."""
+    (under vmap, closing over the outer's tensors), re-set forward grads: torch asserted
+    (vmap's `stack` rule computes by ops on its own wrappers; core/dual_values.py)."""
     check(
         Case(
             Program([(3,)], [Op("sin"), Op("sin")]),
@@ -1108,12 +1109,37 @@ def test_regression_jvp_on_values_with_inner_jvp_under_vmap():
 
 
 def test_regression_jvp_on_values_over_jacrev_of_jvp():
-    """The same strategy under jacrev with an inner jvp: every value silently wrong (the
-    levels' tangents on the same plain tensors were confused)."""
+    """The same strategy under jacrev with an inner jvp: every value silently wrong. The
+    jacrev's wrappers picked up the outer tangent from a closed-over plain value, and the
+    inner jvp took it for its own (core/dual_values.py)."""
     check(
         Case(
             Program([(3,)], [Op("clone_mul_", seed=0), Op("sin")]),
             [T("jvp", seed=0), T("jacrev", argnums=0, mix=True), T("jvp", seed=0, mix=True)],
+            seed=0,
+        )
+    )
+
+
+def test_regression_jvp_on_values_over_jacfwd_of_jvp():
+    """jvp on values over jacfwd of a jvp: torch asserted (a forward grad re-set on a
+    wrapper of jacfwd's vmap level)."""
+    check(
+        Case(
+            Program([(3,)], [Op("sin"), Op("sin")]),
+            [T("jvp", seed=0), T("jacfwd", argnums=0), T("jvp", seed=0)],
+            seed=0,
+        )
+    )
+
+
+def test_regression_jvp_on_values_over_jacfwd_of_a_write():
+    """jvp on values over jacfwd of an in-place `sin_`: its tangent formula at the wrapper
+    level wrote a batched tangent into the outer (unbatched) tangent: vmap refused."""
+    check(
+        Case(
+            Program([(2, 3)], [Op("conv1d", c=2, pad=0, ks=1, seed=0), Op("amax", dim=-2), Op("clone_sin_")]),
+            [T("jvp", seed=0), T("jacfwd", argnums=0)],
             seed=0,
         )
     )

@@ -54,8 +54,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("sparse.sampled_addmm", check): SPARSE for check in support.CHECKS},
     **{("sparse.mm.reduce", check): SPARSE for check in ("vjp", "jvp", "vmap_vjp")},
     ("to_sparse", "vmap_vjp"): SPARSE_MASK_FALLBACK,
-    ("to_sparse", "jvp"): "functx's jvp attaches tangents per op with torch._make_dual, which takes "
-    "strided primals only: raises NotImplementedError naming the sparse tensor",
     **{
         (op, "jvp"): NO_TORCH_JVP
         for op in (
