@@ -33,6 +33,7 @@ from torch._dynamo.variables import (
     ConstantVariable,
     FunctoolsPartialVariable,
     ListVariable,
+    SymNodeVariable,
     TupleVariable,
     UserFunctionVariable,
     VariableTracker,
@@ -64,6 +65,11 @@ _TRACE_ERRORS = (UserError, TorchRuntimeError)
 
 
 def _constant(vt, name):
+    vt = vt.realize()  # a transform compiled as the frame itself: its closure cells are lazy
+    if isinstance(vt, (TupleVariable, ListVariable)):  # (in_dims=(None, 0): lazy items too)
+        return type(vt.python_type()())(_constant(item, name) for item in vt.items)
+    if isinstance(vt, SymNodeVariable):  # an int made symbolic (dynamic=True): specialized, guarded
+        return vt.evaluate_expr()
     if not vt.is_python_constant():
         _unsupported(name, f"`{name}` must be a Python constant under torch.compile, got {vt}")
     return vt.as_python_constant()

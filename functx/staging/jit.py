@@ -1,0 +1,231 @@
+"""`functx.jit`: trace a transformed function once, replay it with no Python dispatch.
+
+Eager functx pays Python for every op at every level. `jit` hands the function to
+`torch.compile` (dynamo), which stages each functx transform whole (dynamo.py): on the
+first call the function is traced on fake tensors, every transform dissolves into plain
+ATen ops (AOTAutograd traces through the staged calls with make_fx), and the flat graph,
+forward and backward, is what later calls run. `backend=None` replays that graph as it is;
+`"inductor"` (or any torch.compile backend) compiles it first.
+
+Semantics, as jax.jit's where they can be:
+
+- **Caching.** A traced graph is reused while the call looks the same: the pytree structure
+  of the arguments, their shapes (or, with `dynamic=True`, symbolic sizes), dtypes,
+  devices, `requires_grad`, grad mode, and the values of the static arguments
+  (`static_argnums`: hashable Python values, each distinct tuple its own trace). Anything
+  else retraces; a warning says so after `RETRACE_WARNING_AFTER` traces of one function
+  (shape churn: use `dynamic=True`, or pad).
+- **Python control flow** on Python values (shapes, static arguments, ints) is fixed at
+  trace time and guarded: another value retraces. On tensor *values* (`if x.sum() > 0`)
+  jax.jit refuses; here the graph is split there and the branch runs eagerly, so results
+  stay right (slower). Side effects in Python (prints, appends) happen when tracing, not
+  on every call.
+- **Randomness.** Random ops draw fresh numbers on every call; `vmap`'s randomness modes
+  hold inside (`"different"`: one draw per element).
+- **In-place writes** to inputs (and to module buffers passed through `functional_call`,
+  BatchNorm's running statistics) are reproduced on every call.
+- **vmap's per-sample loop** (ops with no batching rule) is unrolled for the batch size it
+  was traced with; the batch size is part of the cache key (with `dynamic=True` too: the
+  trace specializes on it), so another batch size retraces instead of running a wrong loop.
+- **Gradients through a jitted function** are those of the eager function: the backward is
+  traced as a graph of its own (AOTAutograd's joint graph), never recorded from autograd's
+  side effects during a trace, so `torch.autograd.grad` of a jitted function's output
+  equals eager's, at every order the backend supports.
+
+Debugging: `FUNCTX_JIT_DEBUG=1` in the environment (or `functx.jit(..., debug=True)`)
+prints each trace's cause, time and the backend's compile time.
+
+    >>> import torch, functx
+    >>> w = torch.randn(3)
+    >>> f = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0)))
+    >>> xs = torch.randn(4, 3)
+    >>> torch.allclose(f(w, xs), torch.cos(w * xs) * xs)
+    True
+    >>> f.traces
+    1
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import types
+import warnings
+
+import torch
+
+RETRACE_WARNING_AFTER = 4
+
+
+class RetraceWarning(UserWarning):
+    """A jitted function was traced again and again (its calls keep changing shape)."""
+
+
+def jit(fn=None, *, static_argnums=(), backend=None, dynamic=False, debug=None):
+    """`fn` traced on its first call (per argument signature) and replayed after.
+
+    Args:
+        fn: the function (any composition of functx transforms, modules through
+            `functional_call`, plain torch code).
+        static_argnums: positions of arguments that are Python values fixed at trace time
+            (hashable; each distinct value traces once).
+        backend: None to replay the traced graph as it is, or a torch.compile backend
+            (`"inductor"`, a name from `torch._dynamo.list_backends()`, a callable).
+        dynamic: trace with symbolic sizes (one trace for many shapes) instead of one per
+            shape.
+        debug: print each trace (default: the `FUNCTX_JIT_DEBUG` environment variable).
+
+    Usable as a decorator, bare or with arguments.
+
+        >>> import torch, functx
+        >>> @functx.jit(static_argnums=1)
+        ... def power_sum(x, n):
+        ...     return (x ** n).sum()
+        >>> power_sum(torch.tensor([1.0, 2.0]), 3)
+        tensor(9.)
+    """
+    if fn is None:
+        return functools.partial(jit, static_argnums=static_argnums, backend=backend, dynamic=dynamic, debug=debug)
+    if not callable(fn):
+        raise TypeError(f"functx.jit: expected a function, got {type(fn).__name__}: {fn!r}")
+    return Jitted(fn, static_argnums, backend, dynamic, debug)
+
+
+def _static_positions(static_argnums) -> tuple[int, ...]:
+    if isinstance(static_argnums, int) and not isinstance(static_argnums, bool):
+        static_argnums = (static_argnums,)
+    if not isinstance(static_argnums, (tuple, list)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in static_argnums
+    ):
+        raise TypeError(f"functx.jit: static_argnums must be an int or a tuple of ints, got {static_argnums!r}")
+    return tuple(static_argnums)
+
+
+def _resolve_backend(backend):
+    """The torch.compile backend for `backend` (None: AOTAutograd, then the graph as it is)."""
+    if backend is None:
+        backend = "aot_eager"
+    if isinstance(backend, str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(backend)
+    if callable(backend):
+        return backend
+    raise TypeError(f"functx.jit: backend must be None, a backend name or a callable, got {backend!r}")
+
+
+def _own_frame(target, name):
+    """A function calling `target` with a code object of its own. Dynamo caches traces per
+    code object: every `functx.vmap(f)` runs the same `vmapped` code, so jitting two of them
+    would share one cache (and its recompile limit, after which dynamo runs the code eagerly)."""
+
+    def call(*args, **kwargs):
+        return target(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"jit_{name}"[:60] if name.isidentifier() else "jit_call")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
+class Jitted:
+    """A function under `functx.jit`: call it as the function. `traces` counts the traces
+    made so far (all static values together)."""
+
+    def __init__(self, fn, static_argnums, backend, dynamic, debug):
+        self.fn = fn
+        self.static_argnums = _static_positions(static_argnums)
+        self.backend = backend
+        self.dynamic = bool(dynamic)
+        self.debug = bool(os.environ.get("FUNCTX_JIT_DEBUG")) if debug is None else bool(debug)
+        self.traces = 0
+        self._by_statics: dict = {}
+        self._backend = _resolve_backend(backend)
+        self._compile_seconds = 0.0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        statics, dynamic_args = self._split(args)
+        compiled = self._by_statics.get(statics)
+        if compiled is None:
+            compiled = self._by_statics[statics] = self._compile_for(statics, len(args))
+        traces, start = self.traces, time.perf_counter()
+        out = compiled(*dynamic_args, **kwargs)
+        if self.traces != traces:
+            self._traced(args, kwargs, time.perf_counter() - start)
+        return out
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def __repr__(self):
+        return f"functx.jit({self._name}, backend={self.backend!r}, traces={self.traces})"
+
+    # -- one trace per signature ----------------------------------------------------------
+    def _split(self, args):
+        """(static values, the other arguments)."""
+        if not self.static_argnums:
+            return (), args
+        n = len(args)
+        positions = []
+        for i in self.static_argnums:
+            if not -n <= i < n:
+                raise ValueError(
+                    f"functx.jit({self._name}): static_argnums names argument {i}, but the call has "
+                    f"{n} positional argument(s)."
+                )
+            positions.append(i % n)
+        statics = tuple(args[i] for i in positions)
+        try:
+            hash(statics)
+        except TypeError as error:
+            raise TypeError(
+                f"functx.jit({self._name}): static arguments must be hashable (they key the trace "
+                f"cache), got {[type(a).__name__ for a in statics]}: {error}. Pass tensors as ordinary "
+                f"arguments and containers as tuples."
+            ) from None
+        static_set = set(positions)
+        return (tuple(positions), statics), tuple(a for i, a in enumerate(args) if i not in static_set)
+
+    def _compile_for(self, statics, n_args):
+        fn = self.fn
+        if statics:
+            positions, values = statics
+
+            def with_statics(*dynamic_args, **kwargs):
+                full, rest = [], iter(dynamic_args)
+                fixed = dict(zip(positions, values))
+                for i in range(n_args):
+                    full.append(fixed[i] if i in fixed else next(rest))
+                return fn(*full, **kwargs)
+
+            target = with_statics
+        else:
+            target = fn
+        return torch.compile(_own_frame(target, self._name), backend=self._counting_backend, dynamic=self.dynamic)
+
+    def _counting_backend(self, graph_module, example_inputs):
+        """The backend, counting traces (dynamo calls it once per graph it traces)."""
+        self.traces += 1
+        start = time.perf_counter()
+        compiled = self._backend(graph_module, example_inputs)
+        self._compile_seconds = time.perf_counter() - start
+        if self.traces == RETRACE_WARNING_AFTER:
+            warnings.warn(
+                f"functx.jit({self._name}) has traced {self.traces} graphs: its calls keep changing "
+                f"(shapes, dtypes, static arguments or Python values it branches on). Each trace costs a "
+                f"compile; pass dynamic=True for changing sizes, or pad the inputs to a few shapes.",
+                RetraceWarning,
+                stacklevel=4,
+            )
+        return compiled
+
+    def _traced(self, args, kwargs, seconds):
+        if not self.debug:
+            return
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        print(
+            f"functx.jit({self._name}): trace {self.traces} for arguments {shapes}: first call "
+            f"{seconds:.3f} s, of which backend compile {self._compile_seconds:.3f} s "
+            f"(backend {self.backend or 'None: the graph as traced'})"
+        )

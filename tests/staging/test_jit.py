@@ -1,0 +1,207 @@
+"""functx.jit (functx/staging/jit.py): values, caching, static arguments, retraces,
+randomness, in-place writes, the per-sample loop, gradients through a jitted function.
+
+Values are checked against eager functx and the independent plain-torch references of
+test_compile.py (per-sample loops, torch.autograd.grad with create_graph), float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+
+import functx
+from functx.staging.jit import RETRACE_WARNING_AFTER, RetraceWarning
+from tests.staging.test_compile import CASES, DT, MODEL, PARAMS, _assert_trees_close, _randn, _scalar_of
+
+JIT_CASES = ("per_sample_grads", "jacrev", "jacfwd", "hessian", "maml", "hvp_forward_over_reverse", "jvp_vjp_linearize")
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"])
+@pytest.mark.parametrize("name", JIT_CASES)
+def test_values_match_eager_and_reference(name, backend):
+    if backend == "inductor" and name not in ("per_sample_grads", "hessian", "maml"):
+        pytest.skip("inductor compiles take seconds each: three workloads in CI")
+    fn, make_args, reference = CASES[name]
+    args = make_args()
+    eager = fn(*args)
+    _assert_trees_close(eager, reference(*args))
+    jitted = functx.jit(fn, backend=backend)
+    _assert_trees_close(jitted(*args), eager)
+    _assert_trees_close(jitted(*make_args()), eager)  # replayed
+    assert jitted.traces == 1
+
+
+@pytest.mark.parametrize("name", ["per_sample_grads", "maml", "hessian", "hvp_forward_over_reverse"])
+def test_gradients_through_a_jitted_function(name):
+    """torch.autograd.grad of a jitted function's output equals eager's and the reference's
+    (the backward is traced as a graph, not recorded from autograd's side effects)."""
+    fn, make_args, reference = CASES[name]
+
+    def grads_of(f):
+        args = torch_pytree.tree_map(lambda t: t.detach().clone().requires_grad_(), make_args())
+        return torch.autograd.grad(_scalar_of(name, f(*args)), torch_pytree.tree_leaves(args[0]))
+
+    jitted = functx.jit(fn)
+    for got, eager, expected in zip(grads_of(jitted), grads_of(fn), grads_of(reference)):
+        torch.testing.assert_close(eager, expected)
+        torch.testing.assert_close(got, eager)
+
+
+def test_gradient_of_a_gradient_norm():
+    """The issue's example: d/dW of ||grad_x f(W, x)||^2 through the jitted grad, against
+    torch.autograd.grad with create_graph (a trace that recorded autograd's detaches was
+    wrong by 75% and detached from x)."""
+    w = _randn(4, 3, seed=1).requires_grad_()
+    x = _randn(3, seed=2).requires_grad_()
+    f = lambda w, x: torch.tanh(w @ x).pow(2).sum()  # noqa: E731
+    grad_x = functx.jit(functx.grad(f, argnums=1))
+    (got,) = torch.autograd.grad(grad_x(w, x).pow(2).sum(), w)
+    (gx,) = torch.autograd.grad(f(w, x), x, create_graph=True)
+    (expected,) = torch.autograd.grad(gx.pow(2).sum(), w)
+    torch.testing.assert_close(got, expected)
+    assert grad_x(w, x).requires_grad  # attached to w and x
+
+
+def test_cache_keys_and_retraces():
+    f = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0)))
+    w = _randn(3, seed=1)
+    f(w, _randn(4, 3, seed=2))
+    f(w, _randn(4, 3, seed=3))
+    assert f.traces == 1  # same signature: replayed
+    f(w, _randn(5, 3, seed=3))  # another batch size
+    assert f.traces == 2
+    f(w.float(), _randn(5, 3, seed=3).float())  # another dtype
+    assert f.traces == 3
+    out = f(w.clone().requires_grad_(), _randn(5, 3, seed=3))  # requires_grad: a graph with a backward
+    assert out.requires_grad
+    traces = f.traces
+    with torch.no_grad():  # grad mode
+        assert not f(w.clone().requires_grad_(), _randn(5, 3, seed=3)).requires_grad
+    assert f.traces == traces + 1
+
+
+def test_dynamic_shapes_trace_once():
+    f = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0)), dynamic=True)
+    w = _randn(3, seed=1)
+    for b in (4, 5, 7):
+        xs = _randn(b, 3, seed=b)
+        torch.testing.assert_close(f(w, xs), torch.cos(w * xs) * xs)
+    assert f.traces == 1
+
+
+def test_retrace_warning():
+    f = functx.jit(lambda x: functx.grad(lambda y: y.pow(3).sum())(x))
+    with pytest.warns(RetraceWarning, match="dynamic=True"):
+        for n in range(1, RETRACE_WARNING_AFTER + 1):
+            torch.testing.assert_close(f(_randn(n, seed=n)), 3 * _randn(n, seed=n) ** 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RetraceWarning)
+        f(_randn(2, seed=2))  # replays: no warning
+
+
+def test_static_argnums():
+    @functx.jit(static_argnums=(1,))
+    def power_grad(x, n):
+        return functx.grad(lambda y: (y**n).sum())(x)
+
+    x = _randn(3, seed=1)
+    torch.testing.assert_close(power_grad(x, 3), 3 * x**2)
+    torch.testing.assert_close(power_grad(x, 2), 2 * x)
+    torch.testing.assert_close(power_grad(x, 3), 3 * x**2)
+    assert power_grad.traces == 2
+    negative = functx.jit(lambda x, n: x * n, static_argnums=-1)
+    torch.testing.assert_close(negative(x, 2.0), 2 * x)
+
+
+def test_static_argnums_errors():
+    with pytest.raises(TypeError, match="hashable"):
+        functx.jit(lambda x, s: x * len(s), static_argnums=1)(_randn(2), [1, 2])
+    with pytest.raises(ValueError, match="static_argnums names argument 2"):
+        functx.jit(lambda x: x, static_argnums=2)(_randn(2))
+    with pytest.raises(TypeError, match="static_argnums must be an int or a tuple of ints"):
+        functx.jit(lambda x: x, static_argnums="0")
+    with pytest.raises(TypeError, match="expected a function"):
+        functx.jit(3)
+
+
+def test_random_ops_draw_fresh_numbers_and_vmap_randomness_holds():
+    f = functx.jit(functx.vmap(lambda x: x + torch.rand(()), randomness="different"))
+    x = torch.zeros(4, 3, dtype=DT)
+    a, b = f(x), f(x)
+    assert not torch.equal(a, b)  # fresh per call
+    assert not torch.equal(a[0], a[1])  # one draw per element
+    torch.testing.assert_close(a - a[:, :1], torch.zeros_like(a))  # the same draw along each row
+    same = functx.jit(functx.vmap(lambda x: x + torch.rand(()), randomness="same"))
+    c = same(x)
+    torch.testing.assert_close(c, torch.full_like(c, c[0, 0].item()))
+
+
+def test_in_place_writes_to_inputs_and_buffers_are_reproduced():
+    f = functx.jit(lambda x: x.add_(1.0).sum())
+    x = torch.zeros(3, dtype=DT)
+    f(x)
+    f(x)
+    torch.testing.assert_close(x, torch.full((3,), 2.0, dtype=DT))
+    bn = torch.nn.BatchNorm1d(3).to(DT)
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    forward = functx.jit(lambda s, x: functx.functional_call(bn, s, (x,)))
+    expected = {k: v.clone() for k, v in state.items()}
+    for seed in (1, 2):
+        xb = _randn(8, 3, seed=seed)
+        forward(state, xb)
+        torch.nn.functional.batch_norm(xb, expected["running_mean"], expected["running_var"], training=True)
+        expected["num_batches_tracked"] += 1
+    for k in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(state[k], expected[k])
+
+
+@torch.library.custom_op("functx_test_jit::scaled_cumsum", mutates_args=())
+def _scaled_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """An op with no batching rule (vmap runs it once per element), with a fake kernel."""
+    return torch.cumsum(x, 0) * x.shape[0]
+
+
+@_scaled_cumsum.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_per_sample_loop_follows_the_batch_size(dynamic):
+    """An op with no batching rule runs vmap's per-sample loop, unrolled in the trace for its
+    batch size: another batch size retraces (never the old loop)."""
+
+    def f(x):
+        return _scaled_cumsum(x).sin()
+
+    jitted = functx.jit(functx.vmap(f), dynamic=dynamic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # functx's PerformanceWarning for the loop
+        for b in (3, 4, 3):
+            xs = _randn(b, 5, seed=b)
+            torch.testing.assert_close(jitted(xs), torch.stack([f(r) for r in xs]))
+    assert jitted.traces == 2
+
+
+def test_modules_through_functional_call_and_ensembles():
+    models = [torch.nn.Linear(3, 2).to(DT) for _ in range(3)]
+    params, buffers = functx.stack_module_state(models)
+    base = models[0]
+    x = _randn(5, 3, seed=1)
+    ensemble = functx.jit(lambda p, b, x: functx.vmap(lambda p, b: functx.functional_call(base, (p, b), (x,)))(p, b))
+    torch.testing.assert_close(ensemble(params, buffers, x), torch.stack([m(x) for m in models]).detach())
+    psg = functx.jit(CASES["per_sample_grads"][0])
+    _assert_trees_close(psg(PARAMS, _randn(5, 3, seed=2), _randn(5, 2, seed=3)), CASES["per_sample_grads"][2](PARAMS, _randn(5, 3, seed=2), _randn(5, 2, seed=3)))
+    assert MODEL.training  # the module left as it was
+
+
+def test_debug_flag_prints_traces(capsys):
+    f = functx.jit(lambda x: functx.grad(lambda y: y.sin().sum())(x), debug=True)
+    f(_randn(3, seed=1))
+    f(_randn(3, seed=2))
+    out = capsys.readouterr().out
+    assert out.count("functx.jit(") == 1 and "backend compile" in out and "[(3,)]" in out
