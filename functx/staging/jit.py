@@ -144,14 +144,19 @@ class Jitted:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        statics, dynamic_args = self._split(args)
+        if self.static_argnums:
+            statics, dynamic_args = self._split(args)
+        else:  # the hot path: a cache hit costs torch.compile's guards and this call
+            statics, dynamic_args = (), args
         compiled = self._by_statics.get(statics)
         if compiled is None:
             compiled = self._by_statics[statics] = self._compile_for(statics, len(args))
+        if not self.debug:
+            return compiled(*dynamic_args, **kwargs)
         traces, start = self.traces, time.perf_counter()
         out = compiled(*dynamic_args, **kwargs)
         if self.traces != traces:
-            self._traced(args, kwargs, time.perf_counter() - start)
+            self._traced(args, time.perf_counter() - start)
         return out
 
     @property
@@ -220,9 +225,7 @@ class Jitted:
             )
         return compiled
 
-    def _traced(self, args, kwargs, seconds):
-        if not self.debug:
-            return
+    def _traced(self, args, seconds):
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
         print(
             f"functx.jit({self._name}): trace {self.traces} for arguments {shapes}: first call "
