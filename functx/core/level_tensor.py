@@ -235,9 +235,17 @@ def replay_inplace_view(op, args, kwargs):
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
 
 
+def is_physical(x) -> bool:
+    """Whether `x` is a tensor no functx level owns: a plain tensor, or one of torch's own
+    tracing tensors (fake, functional, under torch.compile and make_fx), which compute as
+    plain tensors do (checking `type(x) is Tensor` instead turned layout rules off when
+    staged: compiled per-sample weight gradients came out transposed)."""
+    return isinstance(x, torch.Tensor) and not isinstance(x, LevelTensor)
+
+
 def level_of(x) -> int:
     """Level of a level tensor, 0 for anything else (plain tensors sit below every level)."""
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "debug_unwrap", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]

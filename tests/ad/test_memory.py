@@ -33,7 +33,8 @@ def test_jacrev_chunking_bounds_peak_memory():
     jacobian_mib = 4096 * 4096 * 4 / 2**20  # 64 MiB: the result itself must fit
     chunked = peak_extra_mib(64)
     unchunked = peak_extra_mib("none")
-    # generous bound: the Jacobian plus 32 MiB of working memory (a 64-row chunk of
-    # intermediates is ~1 MiB each); unchunked needs several full 4096x4096 intermediates
-    assert chunked < jacobian_mib + 32, f"chunked jacrev used {chunked:.0f} MiB"
+    # generous bound: the Jacobian plus 48 MiB of working memory (a 64-row chunk of
+    # intermediates is ~1 MiB each; measured: 88 MiB in all on a quiet host, over 96 once in a
+    # loaded parallel run); unchunked needs several full 4096x4096 intermediates (210 MiB)
+    assert chunked < jacobian_mib + 48, f"chunked jacrev used {chunked:.0f} MiB"
     assert unchunked > chunked + 48, f"unchunked {unchunked:.0f} MiB vs chunked {chunked:.0f} MiB"

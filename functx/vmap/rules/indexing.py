@@ -18,6 +18,7 @@ import math
 import torch
 
 from ...core.custom_function import apply_original as _apply_original
+from ...core.level_tensor import is_physical
 from ..batched_tensor import VMAP_RULES
 from ..templates import materialize, normalize_dim, pad_to_rank, raise_unbatched_inplace
 from .data_dependent import _data_dependent_rule
@@ -526,10 +527,10 @@ def _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq
     if direct is None or direct.forward_mode or scale_grad_by_freq or sparse or weight.dim() != 2:
         return None
     table = materialize(interp, weight)
-    if type(table) is not Tensor or not table.requires_grad or not torch.is_grad_enabled():
+    if not is_physical(table) or not table.requires_grad or not torch.is_grad_enabled():
         return None
     value = materialize(interp, indices)
-    if type(value) is not Tensor:
+    if not is_physical(value):
         return None
     offsets = _batch_arange(interp, value, indices.dim()) * weight.shape[0]
     out = _apply_original(BatchedEmbedding, table, value + offsets, value, padding_idx)

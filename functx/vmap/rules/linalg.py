@@ -22,6 +22,7 @@ Three shapes of rule:
 import torch
 
 from ...core.custom_function import apply_original as _apply_original
+from ...core.level_tensor import is_physical
 from ..batched_tensor import VMAP_RULES
 from ..templates import batch_all_rule, materialize, pad_to_rank, raise_unbatched_inplace
 
@@ -208,8 +209,8 @@ def _override_product(interp, a, b) -> bool:
         direct is not None
         and not direct.forward_mode
         and not direct.connected
-        and type(a) is Tensor
-        and type(b) is Tensor
+        and is_physical(a)
+        and is_physical(b)
         and (a.requires_grad or b.requires_grad)
         and torch.is_grad_enabled()
         and a.dtype.is_floating_point
@@ -301,7 +302,7 @@ def _addmm(interp, self, m1, m2, *, beta=1, alpha=1):
         if _override_product(interp, left, right):  # F.linear under vmap(grad)
             if beta == 1 and alpha == 1:
                 bias = _phys_at_rank(interp, self, 2)
-                if type(bias) is Tensor and bias.dtype == left.dtype:
+                if is_physical(bias) and bias.dtype == left.dtype:
                     return interp.wrap(_product_node(left, right, bias))
             product = _product_node(left, right)
             return interp.wrap(_scale_add(interp, product, self, 2, beta, alpha))
