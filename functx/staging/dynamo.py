@@ -259,7 +259,7 @@ class StagedTransformVariable(UserFunctionVariable):
 def _functional_call_as_torch(module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False):
     """What dynamo traces for `functx.functional_call`: torch's reparametrization, which
     dynamo knows (functx's own swaps module attributes, a side effect a staged body may not
-    have). Same semantics as functx's for everything but `return_state`."""
+    have). Same semantics as functx's (`return_state=True`: the function below)."""
     merged = _merge_dicts(parameter_and_buffer_dicts)  # functx's own checks and errors
     if args is None:
         args = ()
@@ -270,11 +270,39 @@ def _functional_call_as_torch(module, parameter_and_buffer_dicts, args=None, kwa
     )
 
 
+def _pure_functional_call_as_torch(module, parameter_and_buffer_dicts, args=None, kwargs=None, *, tie_weights=True, strict=False):
+    """What dynamo traces for `functx.functional_call(..., return_state=True)`: the forward
+    on clones of every buffer (the given ones, the module's own for names not given; one
+    clone per tensor keeps tied buffers tied), then the buffers as they are after it."""
+    values = dict(_merge_dicts(parameter_and_buffer_dicts))
+    originals, clones = [], []
+    for name, own in module.named_buffers(remove_duplicate=False):
+        source = values[name] if name in values else own
+        if source is None:
+            continue
+        for original, clone in zip(originals, clones):
+            if original is source:
+                values[name] = clone
+                break
+        else:
+            originals.append(source)
+            clones.append(source.clone())
+            values[name] = clones[-1]
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        args = (args,)
+    with torch.nn.utils.stateless._reparametrize_module(module, values, tie_weights=tie_weights, strict=strict):
+        output = module(*args, **(kwargs or {}))
+        new_buffers = {name: buffer for name, buffer in module.named_buffers()}
+    return output, new_buffers
+
+
 class FunctionalCallVariable(UserFunctionVariable):
     def call_function(self, tx, args, kwargs):
         return_state = kwargs.pop("return_state", None)
         if return_state is not None and _constant(return_state, "return_state"):
-            _unsupported("functional_call(return_state=True)", "return_state=True runs eagerly")
+            return SourcelessBuilder.create(tx, _pure_functional_call_as_torch).call_function(tx, args, kwargs)
         return SourcelessBuilder.create(tx, _functional_call_as_torch).call_function(tx, args, kwargs)
 
 

@@ -257,19 +257,27 @@ def test_a_body_dynamo_cannot_trace_runs_eagerly_with_right_values():
             torch.compile(f, backend="aot_eager", fullgraph=True)(v)
 
 
-def test_functional_call_return_state_runs_eagerly():
+@pytest.mark.parametrize("given", ["all", "parameters_only"])
+def test_functional_call_return_state_is_staged(given):
+    """`return_state=True` compiles in one graph: the forward on clones of the buffers (the
+    given ones, or the module's own), the new buffers returned, nothing mutated."""
     bn = torch.nn.BatchNorm1d(3).to(DT)
-    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    module_buffers = {k: v.clone() for k, v in bn.named_buffers()}
+    state = {k: v.clone() for k, v in (bn.state_dict() if given == "all" else dict(bn.named_parameters())).items()}
 
     def f(state, x):
         return functx.functional_call(bn, state, (x,), return_state=True)
 
     x = _randn(4, 3, seed=23)
     expected_out, expected_state = f({k: v.clone() for k, v in state.items()}, x)
+    assert not torch.equal(expected_state["running_mean"], module_buffers["running_mean"])  # the stats moved
     torch._dynamo.reset()
-    out, new_state = torch.compile(f, backend="aot_eager")({k: v.clone() for k, v in state.items()}, x)
+    passed = {k: v.clone() for k, v in state.items()}
+    out, new_state = torch.compile(f, backend="aot_eager", fullgraph=True)(passed, x)
     torch.testing.assert_close(out, expected_out)
     _assert_trees_close(new_state, expected_state)
+    _assert_trees_close(passed, state)  # the passed tensors untouched
+    _assert_trees_close(dict(bn.named_buffers()), module_buffers)  # the module's too
 
 
 def test_errors_are_the_eager_ones():

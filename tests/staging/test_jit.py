@@ -199,6 +199,26 @@ def test_modules_through_functional_call_and_ensembles():
     assert MODEL.training  # the module left as it was
 
 
+def test_an_ensemble_with_batch_norm_trains_under_jit():
+    """functx.nn.Ensemble (its forward: vmap of functional_call with return_state=True)
+    jitted in one trace: losses, parameter gradients and running statistics as eager's."""
+    torch.manual_seed(3)
+    members = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(DT) for _ in range(3)]
+    jitted_ensemble, eager_ensemble = functx.nn.Ensemble(members), functx.nn.Ensemble(members)
+    step = functx.jit(lambda x: jitted_ensemble(x).pow(2).sum())
+    for seed in (1, 2, 3):
+        x = _randn(6, 4, seed=seed)
+        loss, expected = step(x), eager_ensemble(x).pow(2).sum()
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        for ours, theirs in zip(jitted_ensemble.parameters(), eager_ensemble.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad)
+        for ours, theirs in zip(jitted_ensemble.buffers(), eager_ensemble.buffers()):
+            torch.testing.assert_close(ours, theirs)
+    assert step.traces == 1
+
+
 def test_debug_flag_prints_traces(capsys):
     f = functx.jit(lambda x: functx.grad(lambda y: y.sin().sum())(x), debug=True)
     f(_randn(3, seed=1))
