@@ -30,7 +30,9 @@ Semantics, as jax.jit's where they can be:
 - **Gradients through a jitted function** are those of the eager function: the backward is
   traced as a graph of its own (AOTAutograd's joint graph), never recorded from autograd's
   side effects during a trace, so `torch.autograd.grad` of a jitted function's output
-  equals eager's, at every order the backend supports.
+  equals eager's. Once: a second backward through the jitted function's backward raises
+  torch's "does not currently support double backward". Put the higher-order transform
+  inside the jitted function instead (`jit(hessian(f))`, `jit(grad(grad(f)))`).
 
 Debugging: `FUNCTX_JIT_DEBUG=1` in the environment (or `functx.jit(..., debug=True)`)
 prints each trace's cause, time and the backend's compile time.

@@ -66,6 +66,17 @@ def test_gradient_of_a_gradient_norm():
     assert grad_x(w, x).requires_grad  # attached to w and x
 
 
+def test_a_second_backward_through_a_jitted_function_raises():
+    """torch's AOTAutograd backward is not differentiable: a clear error, never a silently
+    wrong second derivative; the transform inside the jitted function gives it."""
+    w = _randn(3, seed=1).requires_grad_()
+    f = functx.jit(lambda w: (w.sin() * 2).sum())
+    (g,) = torch.autograd.grad(f(w), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), w)
+    torch.testing.assert_close(functx.jit(functx.hessian(lambda w: (w.sin() * 2).sum()))(w.detach()), torch.diag(-2 * w.detach().sin()))
+
+
 def test_cache_keys_and_retraces():
     f = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0)))
     w = _randn(3, seed=1)
