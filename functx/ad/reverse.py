@@ -211,7 +211,10 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
         with functx_code():
             if flat_in is None:
                 if stop == total:
-                    flat_in, in_spec = rows, spec
+                    # laid out row-major as torch.func's Jacobians are: inside vmap the rows
+                    # can come out with the row dim outermost in memory (a transposed view
+                    # per element: `jac.view(b, -1)` raised); a copy only then
+                    flat_in, in_spec = [r.contiguous() for r in rows], spec
                     break
                 flat_in, in_spec = [r.new_empty(total, *r.shape[1:]) for r in rows], spec
             for full, chunk in zip(flat_in, rows):

@@ -395,3 +395,17 @@ def test_dropout_of_shared_primals_inside_vmap():
     out, grad = functx.vmap(per_element, randomness="different")(torch.ones(5))
     torch.testing.assert_close(grad, 3 * out)
     assert not all(torch.equal(out[0], out[b]) for b in range(1, 5))
+
+
+def test_jacobians_inside_vmap_are_laid_out_as_torch_func():
+    """vmap(jacrev(f)) comes out row-major per element, as torch.func's does: the rows of a
+    jacrev under vmap came out with the row dim outermost in memory, and `jac.view(b, -1)`
+    (which works on torch.func's) raised."""
+    import torch.func as tf
+
+    f = lambda v: torch.tanh(v * 2).sum() * v  # noqa: E731
+    x = torch.randn(5, 7, dtype=D)
+    ours, theirs = functx.vmap(functx.jacrev(f))(x), tf.vmap(tf.jacrev(f))(x)
+    torch.testing.assert_close(ours, theirs)
+    assert ours.stride() == theirs.stride() == (49, 7, 1)
+    torch.testing.assert_close(ours.view(5, -1), theirs.view(5, -1))
