@@ -21,7 +21,7 @@ from functx.ad.direct_reverse import DirectGradLevel
 from functx.core.interpreter import current_stack
 from functx.vmap.batched_tensor import VmapInterpreter
 from tests.ad import finite_differences as fd
-from tests.autograd_functions import Cube, Mul, OnceDifferentiableExp
+from tests.autograd_functions import Cube, Mul, NumpyTanh, OnceDifferentiableExp
 
 D = torch.float64
 SIZES = (5, 7, 6, 3)
@@ -225,6 +225,16 @@ def test_jvp_on_values_with_batched_tangents_and_batched_closures():
     torch.testing.assert_close(got, want)
 
 
+def _vjp_per_sample(f, w, xs, cs):
+    """The reference for vmap over (x, c) of vjp(lambda w: f(w, x), w)[1](c): a plain
+    torch.autograd loop over the samples."""
+    want = []
+    for x, c in zip(xs, cs):
+        leaf = w.clone().requires_grad_()
+        want.append(torch.autograd.grad(f(leaf, x), leaf, c)[0])
+    return torch.stack(want)
+
+
 def test_vjp_of_shared_primals_inside_vmap():
     """vjp of unbatched primals inside vmap, batched cotangents and a batched closure: a
     loop of plain torch.autograd vector-Jacobian products; the vjp_fn also used after the
@@ -238,11 +248,7 @@ def test_vjp_of_shared_primals_inside_vmap():
         return torch.sin(w @ x) * x.sum()
 
     got = functx.vmap(lambda x, c: functx.vjp(lambda w: f(w, x), w)[1](c)[0])(xs, cs)
-    want = []
-    for x, c in zip(xs, cs):
-        leaf = w.clone().requires_grad_()
-        want.append(torch.autograd.grad(f(leaf, x), leaf, c)[0])
-    torch.testing.assert_close(got, torch.stack(want))
+    torch.testing.assert_close(got, _vjp_per_sample(f, w, xs, cs))
     _, vjp_fn = functx.vjp(lambda w: torch.sin(w).sum(0), w)
     torch.testing.assert_close(functx.vmap(vjp_fn)(cs[:, :3])[0], cs[:, None, :3] * torch.cos(w)[None])
 
@@ -340,29 +346,6 @@ def test_reverse_over_forward_on_plain_duals(name):
     torch.testing.assert_close(functx.jvp(f, (x,), (t,))[1], torch.func.jvp(f, (x,), (t,))[1])
 
 
-class _Sin(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return x.sin()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.saved_tensors[0].cos()
-
-    @staticmethod
-    def jvp(ctx, t):
-        return t * ctx.saved_tensors[0].cos()
-
-    @staticmethod
-    def vmap(info, in_dims, x):
-        return _Sin.apply(x), in_dims[0]
-
-
 @pytest.mark.parametrize("fn", ["generate_vmap_rule", "vmap_staticmethod"])
 def test_functions_under_levels_on_values_inside_vmap(fn):
     """autograd.Functions applied to the BatchedTensors that a level on values records on
@@ -371,13 +354,9 @@ def test_functions_under_levels_on_values_inside_vmap(fn):
     torch.manual_seed(8)
     w = torch.randn(3, dtype=D)
     xs, cs = torch.randn(4, 3, dtype=D), torch.randn(4, 3, dtype=D)
-    f = (lambda w, x: Mul.apply(w, x).exp()) if fn == "generate_vmap_rule" else (lambda w, x: _Sin.apply(w * x))
+    f = (lambda w, x: Mul.apply(w, x).exp()) if fn == "generate_vmap_rule" else (lambda w, x: NumpyTanh.apply(w * x))
     got = functx.vmap(lambda x, c: functx.vjp(lambda w: f(w, x), w)[1](c)[0])(xs, cs)
-    want = []
-    for x, c in zip(xs, cs):
-        leaf = w.clone().requires_grad_()
-        want.append(torch.autograd.grad(f(leaf, x), leaf, c)[0])
-    torch.testing.assert_close(got, torch.stack(want))
+    torch.testing.assert_close(got, _vjp_per_sample(f, w, xs, cs))
     got = functx.vmap(lambda x, c: functx.jvp(functx.grad(lambda w: f(w, x).sum()), (w,), (c,))[1])(xs, cs)
     want = torch.stack([plain_hvp(lambda w: f(w, x).sum(), w, c) for x, c in zip(xs, cs)])
     torch.testing.assert_close(got, want)

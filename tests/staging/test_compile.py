@@ -318,22 +318,33 @@ COMPILE_FUZZ = settings(
 )
 
 
+def eager_checked(case):
+    """(functx's transformed function, the float64 reference's value) for a drawn case whose
+    eager functx value was checked against the reference; None for a case to pass over (an
+    untame reference, or one functx raises on: the eager fuzzer checks which errors)."""
+    expected = case.run(Ref).detach()
+    if not (torch.isfinite(expected).all() and expected.abs().max() < 1e4):
+        return None
+    transformed = case.build(functx)
+    try:
+        eager = transformed(*case.inputs())
+    except Exception:
+        event("eager functx raises")
+        return None
+    torch.testing.assert_close(eager, expected, rtol=1e-6, atol=1e-6)
+    return transformed, expected
+
+
 @COMPILE_FUZZ
 @given(cases(PURE_FAMILIES, ALL))
 def test_fuzz_compiled_transform_stacks(case):
     """torch.compile (aot_eager) of a random program under a random stack of 1-3 transforms
     equals eager functx and the plain-torch float64 reference. Long run:
     FUNCTX_COMPILE_FUZZ_EXAMPLES=200 .venv/bin/python -m pytest tests/staging -q -p no:xdist -k fuzz"""
-    expected = case.run(Ref).detach()
-    if not (torch.isfinite(expected).all() and expected.abs().max() < 1e4):
+    checked = eager_checked(case)
+    if checked is None:
         return
-    transformed = case.build(functx)
-    try:
-        eager = transformed(*case.inputs())
-    except Exception:  # functx raises on this case (the eager fuzzer checks which errors)
-        event("eager functx raises")
-        return
-    torch.testing.assert_close(eager, expected, rtol=1e-6, atol=1e-6)
+    transformed, expected = checked
     torch._dynamo.reset()
     explained = torch._dynamo.explain(transformed)(*case.inputs())
     event(f"graph breaks: {explained.graph_break_count}")

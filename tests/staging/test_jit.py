@@ -18,13 +18,13 @@ from functx.staging.jit import RETRACE_WARNING_AFTER, RetraceWarning
 from tests.staging.test_compile import CASES, DT, MODEL, PARAMS, _assert_trees_close, _randn, _scalar_of
 
 JIT_CASES = ("per_sample_grads", "jacrev", "jacfwd", "hessian", "maml", "hvp_forward_over_reverse", "jvp_vjp_linearize")
+INDUCTOR_JIT_CASES = ("per_sample_grads", "hessian", "maml")  # inductor compiles take seconds each
 
 
-@pytest.mark.parametrize("backend", [None, "inductor"])
-@pytest.mark.parametrize("name", JIT_CASES)
+@pytest.mark.parametrize(
+    "name, backend", [(n, None) for n in JIT_CASES] + [(n, "inductor") for n in INDUCTOR_JIT_CASES]
+)
 def test_values_match_eager_and_reference(name, backend):
-    if backend == "inductor" and name not in ("per_sample_grads", "hessian", "maml"):
-        pytest.skip("inductor compiles take seconds each: three workloads in CI")
     fn, make_args, reference = CASES[name]
     args = make_args()
     eager = fn(*args)
@@ -242,8 +242,8 @@ def test_debug_flag_prints_traces(capsys):
 
 from hypothesis import event, given  # noqa: E402
 
-from tests.ad.test_fuzz_transforms import ALL, PURE_FAMILIES, Ref, cases  # noqa: E402
-from tests.staging.test_compile import COMPILE_FUZZ  # noqa: E402
+from tests.ad.test_fuzz_transforms import ALL, PURE_FAMILIES, cases  # noqa: E402
+from tests.staging.test_compile import COMPILE_FUZZ, eager_checked  # noqa: E402
 
 
 @COMPILE_FUZZ
@@ -253,15 +253,10 @@ def test_fuzz_jitted_transform_stacks(case):
     plain-torch float64 reference, replayed on fresh inputs, and its gradient with respect
     to the inputs equals eager functx's. Long run:
     FUNCTX_COMPILE_FUZZ_EXAMPLES=200 .venv/bin/python -m pytest tests/staging -q -p no:xdist -k fuzz"""
-    expected = case.run(Ref).detach()
-    if not (torch.isfinite(expected).all() and expected.abs().max() < 1e4):
+    checked = eager_checked(case)
+    if checked is None:
         return
-    transformed = case.build(functx)
-    try:
-        eager = transformed(*case.inputs())
-    except Exception:  # functx raises on this case (the eager fuzzer checks which errors)
-        event("eager functx raises")
-        return
+    transformed, expected = checked
     jitted = functx.jit(transformed)
     torch.testing.assert_close(jitted(*case.inputs()), expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(jitted(*case.inputs()), expected, rtol=1e-6, atol=1e-6)  # replayed
