@@ -15,11 +15,15 @@ Contenders, alternating in one process (values checked equal first):
     jax.jit         the same computation in JAX (optional: `pip install "jax[cpu]"`; on the
                     same data, converted), where written (not CNN, ensemble)
 
+With --cpp-wrapper, two more contenders: jit+inductor and compile(tf) with inductor's
+`cpp_wrapper` option (the replay in C++, no Python call per kernel), reported in a second
+table (ratios to jax.jit and to compile(tf) with the same option; first calls).
+
 First calls (trace + compile) are timed once per contender. Issue 14's targets:
 jit+inductor <= 1.0x jax.jit on MAML and hessian, <= 2x on the micro workload, faster than
 compile(tf) on every workload; first-call time no worse than compile(tf)'s.
 
-Run:  .venv/bin/python benchmarks/staging_jit.py [--quick] [--threads N] [--only SUBSTRING]
+Run:  .venv/bin/python benchmarks/staging_jit.py [--quick] [--threads N] [--only SUBSTRING] [--cpp-wrapper]
 (inductor compiles take 5-25 s each on this host: ~5 minutes in all.)
 """
 
@@ -237,8 +241,11 @@ def _warm_up():
     functx.jit(functx.grad(lambda x: x.cos().sum()), backend="inductor")(x)
 
 
-def run(quick=False, n_threads=1, only=None):
-    rows = []
+CPP = {"cpp_wrapper": True}
+
+
+def run(quick=False, n_threads=1, only=None, cpp_wrapper=False):
+    rows, cpp_rows = [], []
     _warm_up()
     with threads(n_threads):
         for label, (make, jax_make) in WORKLOADS.items():
@@ -253,6 +260,9 @@ def run(quick=False, n_threads=1, only=None):
                 "compile(tf)": (torch.compile(theirs, backend="inductor"), theirs_args),
                 "torch.func": (theirs, theirs_args),
             }
+            if cpp_wrapper:
+                contenders["jit+inductor cpp"] = (functx.jit(ours, backend="inductor", options=CPP), ours_args)
+                contenders["compile(tf) cpp"] = (torch.compile(theirs, backend="inductor", options=CPP), theirs_args)
             if jax is not None and jax_make is not None:
                 contenders["jax.jit"] = jax_make()
             reference = theirs(*theirs_args)
@@ -275,12 +285,30 @@ def run(quick=False, n_threads=1, only=None):
                     f"{firsts['jit+inductor']:.1f} / {firsts['compile(tf)']:.1f}" + (f" / {firsts['jax.jit']:.2f}" if has_jax else ""),
                 ]
             )
+            if cpp_wrapper:
+                cpp_rows.append(
+                    [
+                        label,
+                        *(f"{med[n] * 1e3:.3f}" if n in med else "—" for n in ("jit+inductor cpp", "compile(tf) cpp", "jax.jit")),
+                        f"{ratio('jit+inductor cpp', 'compile(tf) cpp'):.2f}x",
+                        f"{ratio('jit+inductor cpp', 'jax.jit'):.2f}x" if has_jax else "—",
+                        f"{ratio('jit+inductor cpp', 'jit+inductor'):.2f}x",
+                        f"{firsts['jit+inductor cpp']:.1f} / {firsts['compile(tf) cpp']:.1f}",
+                    ]
+                )
     header = [
         "workload", "jit ms", "jit+inductor ms", "compile(tf) ms", "torch.func ms", "jax.jit ms",
         "jit+inductor / compile(tf)", "jit+inductor / jax.jit", "jit / torch.func eager",
         "first call s: jit+inductor / compile(tf) / jax.jit",
     ]  # fmt: skip
-    return markdown_table(header, rows)
+    table = markdown_table(header, rows)
+    if cpp_wrapper:
+        cpp_header = [
+            "workload", "jit+inductor cpp ms", "compile(tf) cpp ms", "jax.jit ms", "jit+inductor cpp / compile(tf) cpp",
+            "jit+inductor cpp / jax.jit", "cpp / default (jit+inductor)", "first call s: jit+inductor cpp / compile(tf) cpp",
+        ]  # fmt: skip
+        table += "\n\nWith inductor's cpp_wrapper option:\n\n" + markdown_table(cpp_header, cpp_rows)
+    return table
 
 
 def _block(out):
@@ -295,6 +323,7 @@ if __name__ == "__main__":
     parser = standard_arguments(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default=None)
+    parser.add_argument("--cpp-wrapper", action="store_true", help="also time inductor's cpp_wrapper option")
     arguments = parser.parse_args()
     print(f"## functx.jit, {arguments.threads} thread(s), jax {'%s' % jax.__version__ if jax else 'not installed'}\n")
-    print(run(arguments.quick, arguments.threads, arguments.only))
+    print(run(arguments.quick, arguments.threads, arguments.only, arguments.cpp_wrapper))

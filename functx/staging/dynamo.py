@@ -200,10 +200,15 @@ class _Body:
                 node_args.append(leaf.as_proxy())
             else:
                 _unsupported(entry.__name__, f"an argument of type {leaf.python_type().__name__} (tensors and constants only)")
-        call = StagedCall(layout, entry, options, spec_vt.as_python_constant(), self.n_func_leaves, self.output)
+        call = StagedCall.interned(layout, entry, options, spec_vt.as_python_constant(), self.n_func_leaves, self.output)
         proxy = tx.output.create_proxy(
             "call_function", call, (make_attr(tx, self.name), *node_args, *self.captured), {}
         )
+        # AOTAutograd's cache takes a graph with a call it does not know when the node says
+        # what it computes: the body is a submodule (in the key with its code), the call's
+        # settings are hashed here. A warm process then skips re-tracing the transforms.
+        proxy.node.meta["is_wrapped"] = True
+        proxy.node.meta["user_cache_hash"] = call.cache_hash()
         try:
             flat_result = wrap_fx_proxy(tx, proxy)  # runs the call on fake tensors: records result_spec
         except _TRACE_ERRORS as error:

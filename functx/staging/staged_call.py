@@ -11,10 +11,27 @@ one flat graph, and autograd through the compiled function differentiates that g
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
+import sys
+
 import torch.utils._pytree as torch_pytree
 from torch import Tensor
 
 from .. import ad
+from ..core import config
+
+
+@functools.cache
+def _functx_source_hash() -> str:
+    """A hash of every source file of the installed functx (read once per process)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class StagedCall:
@@ -40,7 +57,38 @@ class StagedCall:
         self.n_func_leaves = n_func_leaves  # leaves of what the function itself receives
         self.body_out_spec, self.body_out_masks, self.body_out_constants = body_output
         self.result_spec = None
-        self.__name__ = f"functx_{getattr(entry, '__name__', 'transform').strip('_')}"
+        # Importable under a name that says what it computes: AOTAutograd's cache key names a
+        # graph's globals by import path, so the module holds each distinct call (see
+        # cache_hash; a later call with the same hash computes the same, and replaces it).
+        name = f"functx_{getattr(entry, '__name__', 'transform').strip('_')}"
+        self.__name__ = self.__qualname__ = f"{name}_{self.cache_hash()[:16]}"
+        self.__module__ = __name__
+
+    @classmethod
+    def interned(cls, *settings) -> "StagedCall":
+        """The call for these settings: one object per distinct call, held by this module
+        under its name. AOTAutograd's cache key names a graph's globals by import path (and
+        checks the import finds the same object), so a call must be importable under a name
+        that says what it computes (see cache_hash). Calls with the same hash compute the
+        same: the same result structure too (`result_spec`)."""
+        call = cls(*settings)
+        module = sys.modules[__name__]
+        known = getattr(module, call.__name__, None)
+        if isinstance(known, cls):
+            return known
+        setattr(module, call.__name__, call)
+        return call
+
+    def cache_hash(self) -> str:
+        """What this call computes apart from its body (a submodule of the graph, in the
+        key with its code), as a stable string for AOTAutograd's cache key: the settings
+        and functx's own source, so that a changed functx never reuses an old trace.
+        Settings whose repr is not stable (a function's) only make the key miss."""
+        entry = f"{getattr(self.entry, '__module__', '')}.{getattr(self.entry, '__qualname__', self.entry)}"
+        spec, masks, constants = self.body_out_spec, self.body_out_masks, self.body_out_constants
+        settings = (self.layout, entry, self.options, self.args_spec, self.n_func_leaves, spec, masks, constants)
+        described = repr((settings, config.fallback))  # vmap's fallback mode decides loop or error
+        return hashlib.sha256((_functx_source_hash() + described).encode()).hexdigest()
 
     def __repr__(self):
         return f"StagedCall({self.layout}, {self.__name__}, options={self.options!r})"

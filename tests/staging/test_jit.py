@@ -139,6 +139,104 @@ def test_static_argnums_errors():
         functx.jit(3)
 
 
+def test_compiler_settings_reach_the_compiler(monkeypatch):
+    """mode/options go to the backend as torch.compile passes them: as keyword arguments to
+    a backend callable, as config patches to inductor's compile_fx (cpp_wrapper: the replay
+    in C++), whose values equal eager's and the plain-torch reference's."""
+    received = []
+
+    def backend(graph_module, example_inputs, **settings):
+        received.append(settings)
+        return graph_module.forward
+
+    fn, make_args, reference = CASES["per_sample_grads"]
+    args = make_args()
+    jitted = functx.jit(fn, backend=backend, mode="max-autotune", options={"some_setting": 3})
+    _assert_trees_close(jitted(*args), reference(*args))
+    assert received == [{"mode": "max-autotune", "options": {"some_setting": 3}}]
+
+    import torch._inductor.compile_fx as compile_fx_module
+
+    patches, compile_fx = [], compile_fx_module.compile_fx
+
+    def recording(graph_module, example_inputs, *, config_patches=None, **kwargs):
+        patches.append(dict(config_patches or {}))
+        return compile_fx(graph_module, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    w = _randn(3, 3, seed=4)
+    f = functx.vmap(functx.grad(lambda w, x: torch.tanh(w @ x).sum()), in_dims=(None, 0))
+    xs = _randn(4, 3, seed=5)
+    out = functx.jit(f, backend="inductor", options={"cpp_wrapper": True})(w, xs)
+    assert patches[0].get("cpp_wrapper") is True  # (compile_fx then calls itself, patches applied)
+    expected = torch.stack([torch.autograd.functional.jacobian(lambda v: torch.tanh(v @ x).sum(), w) for x in xs])
+    torch.testing.assert_close(out, expected)
+
+
+def test_compiler_settings_errors():
+    with pytest.raises(ValueError, match="backend=None replays"):
+        functx.jit(lambda x: x, mode="max-autotune")
+    with pytest.raises(ValueError, match="backend=None replays"):
+        functx.jit(lambda x: x, options={"cpp_wrapper": True})
+    with pytest.raises(TypeError, match="options must be a dict"):
+        functx.jit(lambda x: x, backend="inductor", options=[("cpp_wrapper", True)])
+    with pytest.raises(RuntimeError, match="no_such_setting"):
+        functx.jit(lambda x: x, backend="inductor", options={"no_such_setting": 1})
+
+
+_WARM_PROCESS = """
+import sys, torch, functx
+from torch._dynamo.utils import counters
+out_dims = int(sys.argv[1])
+w = torch.linspace(-1, 1, 3, dtype=torch.float64)
+xs = torch.linspace(0.5, 2, 12, dtype=torch.float64).reshape(4, 3)
+f = functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0), out_dims=out_dims)
+out = functx.jit(f, backend="inductor")(w, xs)
+expected = torch.cos(w * xs) * xs  # per sample: d/dw of sum(sin(w * x_i)), samples along out_dims
+torch.testing.assert_close(out, expected.movedim(0, out_dims))
+print("hits", counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+def test_a_warm_process_reuses_the_trace_and_only_the_same_call(tmp_path):
+    """AOTAutograd's cache keeps a jitted functx graph across processes (a warm first call
+    skips re-tracing the transforms): the staged calls say what they compute
+    (StagedCall.cache_hash). A call differing only in a setting (vmap's out_dims: the same
+    body, the same inputs) must not reuse it: its values are checked."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+
+    def run(out_dims):
+        done = subprocess.run([sys.executable, "-c", _WARM_PROCESS, str(out_dims)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return int(done.stdout.split("hits")[-1])
+
+    assert run(0) == 0
+    assert run(0) == 1  # the same call in a new process: the cached trace
+    assert run(1) == 0  # other out_dims: traced anew, values right
+
+
+def test_staged_calls_are_interned_under_a_name_saying_what_they_compute():
+    import sys
+
+    import torch.utils._pytree as torch_pytree
+
+    from functx.staging.staged_call import StagedCall
+
+    spec = torch_pytree.tree_flatten(((1, 2), {}))[1]
+    settings = ("call", functx.vmap, ((None, 0), 0, "error", None), spec, 2, (None, [], []))
+    call = StagedCall.interned(*settings)
+    assert StagedCall.interned(*settings) is call
+    assert getattr(sys.modules[StagedCall.__module__], call.__name__) is call  # importable: the cache key's name
+    other = StagedCall.interned("call", functx.vmap, ((0, 0), 0, "error", None), spec, 2, (None, [], []))
+    assert other is not call and other.__name__ != call.__name__
+    with functx.vmap_fallback("error"):  # loop or error: another trace
+        assert StagedCall(*settings).__name__ != call.__name__
+
+
 def test_random_ops_draw_fresh_numbers_and_vmap_randomness_holds():
     f = functx.jit(functx.vmap(lambda x: x + torch.rand(()), randomness="different"))
     x = torch.zeros(4, 3, dtype=DT)
