@@ -1,0 +1,236 @@
+"""Differentially private SGD without per-sample gradients.
+
+DP-SGD needs, per sample, only the norm of its gradient and, for the batch, the clipped sum
+Σ_b min(1, C/‖g_b‖) g_b (plus Gaussian noise). `clipped_grad` gets both from one forward and
+one backward to the layers' outputs, with functx's per-layer kernels (functx/kernels): the
+B copies of every parameter gradient that `vmap(grad)` materialises are never made for
+Linear, Embedding, LayerNorm and GroupNorm layers; other layers fall back to `vmap` of their
+own vjp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .kernels import layer_gradients
+
+_CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
+
+
+def clipped_grad(
+    module: nn.Module,
+    loss_fn,
+    inputs,
+    targets,
+    *,
+    max_norm: float,
+    noise_multiplier: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """The DP-SGD gradient of one batch: Σ_b min(1, max_norm / ‖g_b‖) g_b + N(0, (σ·max_norm)²)
+    per parameter, where g_b is the gradient of sample b's loss, and the per-sample norms ‖g_b‖.
+
+    Equal to `vmap(grad)` per-sample gradients clipped and summed (the clip factor is
+    `max_norm / (‖g_b‖ + 1e-6)`, at most 1, as Opacus's), computed without them.
+
+    Args:
+        module: the model; its trainable parameters are the ones differentiated. Layers that
+            mix samples (BatchNorm in training mode) are refused.
+        loss_fn: `loss_fn(module(*inputs), targets)` -> one loss per sample, shape (B,)
+            (e.g. `F.cross_entropy(..., reduction="none")`).
+        inputs: a tensor or a tuple of tensors, batch first.
+        targets: passed to `loss_fn` as they are.
+        max_norm: the clipping norm C.
+        noise_multiplier: σ; 0 for no noise.
+        generator: for the noise.
+
+    Returns:
+        (grads, norms): parameter name -> the clipped (noised) sum, shaped as the parameter;
+        and the (B,) per-sample gradient norms before clipping. `module`'s `.grad` fields are
+        not touched.
+
+    Example:
+        >>> import torch, functx
+        >>> import torch.nn.functional as F
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> loss = lambda out, y: F.cross_entropy(out, y, reduction="none")
+        >>> grads, norms = functx.dp.clipped_grad(model, loss, x, y, max_norm=1.0)
+        >>> grads["0.weight"].shape, norms.shape
+        (torch.Size([8, 4]), torch.Size([16]))
+    """
+    if not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ValueError(f"functx.dp.clipped_grad: max_norm must be a positive number, got {max_norm!r}")
+    if noise_multiplier < 0:
+        raise ValueError(f"functx.dp.clipped_grad: noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    layers = _layers(module)
+    calls, losses = _forward(module, layers, loss_fn, inputs, targets, copy_outputs=False)
+    if any(_written_since(call) for call in calls):
+        # a layer's output (or input) written in place after the call (ReLU(inplace=True)):
+        # the gradient of the output as it was is needed; again, handing on a copy
+        calls, losses = _forward(module, layers, loss_fn, inputs, targets, copy_outputs=True)
+    batch = _batch_size(inputs)
+    if not isinstance(losses, Tensor) or losses.shape != (batch,):
+        raise ValueError(
+            f"functx.dp.clipped_grad: loss_fn must return one loss per sample, shape ({batch},), got "
+            f"{tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__}: use the loss "
+            f"with reduction='none'"
+        )
+    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+    _check_parameters_used_in_calls_only(losses, calls, names)
+    outputs = [call.output for call in calls]
+    grad_outputs = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else ()
+    per_call = [
+        layer_gradients(call.layer, call.args, torch.zeros_like(call.output) if g is None else g.detach())
+        for call, g in zip(calls, grad_outputs)
+    ]
+    # A parameter reached by more than one call (a layer called twice, a tied weight): its
+    # per-sample gradient is the sum over the calls, whose norm is not the sum of theirs.
+    reached: dict = {}
+    for call in per_call:
+        for local in call.names:
+            reached.setdefault(id(getattr(call.module, local)), []).append(call)
+    shared = {pid for pid, seen in reached.items() if len(seen) > 1}
+    norms_sq = torch.zeros(batch, dtype=_dtype(module), device=_device(module, inputs))
+    summed_per_sample: dict = {}  # id(param) -> (B, *shape), for shared parameters
+    ghost_calls = []
+    for call in per_call:
+        if any(id(getattr(call.module, local)) in shared for local in call.names):
+            for local, g in call.per_sample().items():
+                pid = id(getattr(call.module, local))
+                summed_per_sample[pid] = summed_per_sample[pid] + g if pid in summed_per_sample else g
+        else:
+            norms_sq = norms_sq + call.norms_sq().to(norms_sq.dtype)
+            ghost_calls.append(call)
+    for g in summed_per_sample.values():
+        norms_sq = norms_sq + g.flatten(1).pow(2).sum(1).to(norms_sq.dtype)
+    norms = norms_sq.sqrt()
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    grads = {name: torch.zeros_like(p) for name, p in module.named_parameters() if p.requires_grad}
+    for call in ghost_calls:
+        for local, g in call.weighted_sum(clip).items():
+            grads[names[id(getattr(call.module, local))]] += g.to(grads[names[id(getattr(call.module, local))]].dtype)
+    for pid, g in summed_per_sample.items():
+        grads[names[pid]] += torch.tensordot(clip.to(g.dtype), g, dims=1)
+    if noise_multiplier > 0:
+        for name, g in grads.items():
+            noise = torch.randn(g.shape, generator=generator, dtype=g.dtype, device=g.device)
+            g.add_(noise, alpha=noise_multiplier * max_norm)
+    return grads, norms.detach()
+
+
+def _layers(module: nn.Module) -> list:
+    """The modules that own trainable parameters directly."""
+    layers = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, _CROSS_SAMPLE) and sub.training:
+            raise ValueError(
+                f"functx.dp.clipped_grad: {name or 'the module'} ({type(sub).__name__}) mixes the samples "
+                f"of a batch in training mode, so per-sample gradients are not defined; replace it "
+                f"(GroupNorm, LayerNorm) or put it in eval mode"
+            )
+        if any(p.requires_grad for p in sub.parameters(recurse=False)):
+            layers.append(sub)
+    return layers
+
+
+class _Call:
+    """One call of a layer: its inputs (detached), its output, and what is needed to check
+    them afterwards (versions: written in place since?; the inputs' graph nodes)."""
+
+    __slots__ = ("layer", "args", "output", "versions", "input_nodes")
+
+    def __init__(self, layer, args, output):
+        self.layer = layer
+        self.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        self.output = output
+        tensors = [a for a in args if isinstance(a, Tensor)] + [output]
+        self.versions = [(t, t._version) for t in tensors]
+        self.input_nodes = [a.grad_fn for a in args if isinstance(a, Tensor) and a.grad_fn is not None]
+
+
+def _written_since(call: _Call) -> bool:
+    return any(t._version != version for t, version in call.versions)
+
+
+def _forward(module, layers, loss_fn, inputs, targets, copy_outputs: bool):
+    """The per-sample losses, with every call of `layers` recorded (forward hooks, removed
+    after, also on errors). `copy_outputs`: later code gets a copy of each layer's output,
+    so that writes into it leave the recorded one as it was."""
+    calls: list = []
+
+    def recorder(layer):
+        def record(_, args, output):
+            if not isinstance(output, Tensor):
+                raise TypeError(
+                    f"functx.dp.clipped_grad: {type(layer).__name__} returned {type(output).__name__}; "
+                    f"layers owning parameters must return one tensor"
+                )
+            calls.append(_Call(layer, args, output))
+            return output.clone() if copy_outputs else None
+
+        return record
+
+    hooks = [layer.register_forward_hook(recorder(layer)) for layer in layers]
+    try:
+        with torch.enable_grad():
+            losses = loss_fn(module(*inputs), targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls, losses
+
+
+def _check_parameters_used_in_calls_only(losses, calls, names) -> None:
+    """Walk the autograd graph from the losses, stepping over every recorded call (from its
+    output's node to its inputs' nodes): a trainable parameter reached on the way is used
+    outside its layer's forward (`h @ layer.weight`), where no kernel sees it. Refuse."""
+    if not isinstance(losses, Tensor) or losses.grad_fn is None:
+        return
+    over = {}
+    for call in calls:
+        if call.output.grad_fn is not None:
+            over.setdefault(call.output.grad_fn, []).extend(call.input_nodes)
+    stack, seen = [losses.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in over:
+            stack.extend(over[node])
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if id(variable) in names:
+                raise ValueError(
+                    f"functx.dp.clipped_grad: the parameter {names[id(variable)]!r} is used outside the forward of "
+                    f"the module that owns it (e.g. `h @ module.weight`), where its per-sample gradients cannot be "
+                    f"computed from the module's calls. Use it through a module call (tie weights by assigning the "
+                    f"Parameter to another module) instead."
+                )
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _batch_size(inputs: tuple) -> int:
+    for a in inputs:
+        if isinstance(a, Tensor):
+            return a.shape[0]
+    raise ValueError("functx.dp.clipped_grad: inputs must include a tensor with the batch first")
+
+
+def _dtype(module: nn.Module):
+    for p in module.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _device(module: nn.Module, inputs: tuple):
+    for p in module.parameters():
+        return p.device
+    return inputs[0].device

@@ -1,0 +1,221 @@
+"""Per-sample gradients of one layer, kept implicit.
+
+For a layer called on a batch, the gradient of sample b's loss with respect to the layer's
+parameters is a function of what the layer saw for that sample: its input `a_b` and the
+gradient `g_b` of the loss with respect to its output. A `LayerGradients` holds the batch of
+both and answers, without materialising B copies of every parameter gradient:
+
+- `norms_sq()`: ‖∂ℓ_b/∂θ‖² summed over the layer's parameters, per sample;
+- `weighted_sum(c)`: Σ_b c_b ∂ℓ_b/∂θ per parameter (the clipped sum of DP-SGD);
+- `per_sample()`: the per-sample gradients themselves (for a parameter the layer shares).
+
+Per layer type:
+- Linear, 2-D input: the weight gradient is the outer product g_b a_bᵀ, so its norm is
+  ‖g_b‖·‖a_b‖. On sequences (B, T, d): ‖Σ_t g_bt a_btᵀ‖² = ⟨A_b A_bᵀ, G_b G_bᵀ⟩ (the "ghost
+  norm"), in row blocks so the T×T products are never held whole, when 2T² < d_in·d_out;
+  otherwise materialised a few samples at a time. The sum is one GEMM: (c ⊙ G)ᵀ A.
+- Embedding: sample b's gradient has a row per distinct id, the sum of its tokens' output
+  gradients; the rows are summed by (sample, id) keys, never as a dense (B, V, D).
+- LayerNorm / GroupNorm affine parameters: the per-sample gradients are small (B × C),
+  computed directly from the normalised input.
+- Any other layer: `vmap` of the layer's vjp (materialised, correct for any layer that
+  treats dim 0 as the batch).
+
+    >>> import torch, functx
+    >>> from functx.kernels import layer_gradients
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> a, g = torch.randn(4, 3), torch.randn(4, 2)
+    >>> ghost = layer_gradients(layer, (a,), g).norms_sq()
+    >>> full = (g[:, :, None] * a[:, None, :]).flatten(1).pow(2).sum(1) + g.pow(2).sum(1)
+    >>> torch.allclose(ghost, full)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+# Working memory per block of the ghost norm's T×T products and per chunk of materialised
+# per-sample weight gradients, in elements (16 Mi floats: 64 MiB in float32).
+BLOCK_ELEMENTS = 1 << 24
+
+
+class LayerGradients:
+    """Per-sample gradients of `module`'s own trainable parameters from one call: its
+    positional inputs `args` (batch first) and `grad_output`, the gradient of the summed
+    per-sample losses with respect to its output."""
+
+    def __init__(self, module: nn.Module, args: tuple, grad_output: Tensor):
+        self.module = module
+        self.args = args
+        self.grad_output = grad_output
+        self.names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        self.batch = grad_output.shape[0]
+
+    def per_sample(self) -> dict[str, Tensor]:
+        """name -> (B, *param.shape): each sample's gradient."""
+        raise NotImplementedError
+
+    def norms_sq(self) -> Tensor:
+        """(B,): each sample's squared gradient norm over this layer's parameters."""
+        grads = self.per_sample()
+        return sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        """name -> Σ_b weights[b] · (sample b's gradient)."""
+        return {n: torch.tensordot(weights.to(g.dtype), g, dims=1) for n, g in self.per_sample().items()}
+
+
+def _rows(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, *, d) -> (B, T, d): the positions between batch and features as one dim."""
+    return a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+class LinearGradients(LayerGradients):
+    def _parts(self):
+        a, g = _rows(self.args[0], self.grad_output)
+        return a.to(g.dtype), g
+
+    def per_sample(self):
+        a, g = self._parts()
+        out = {}
+        if "weight" in self.names:
+            out["weight"] = torch.bmm(g.mT, a)  # (B, d_out, d_in)
+        if "bias" in self.names:
+            out["bias"] = g.sum(1)
+        return out
+
+    def norms_sq(self):
+        a, g = self._parts()
+        total = torch.zeros(self.batch, dtype=g.dtype, device=g.device)
+        if "bias" in self.names:
+            total = total + g.sum(1).pow(2).sum(1)
+        if "weight" not in self.names:
+            return total
+        steps, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+        if steps == 1:  # an outer product: ‖g a^T‖ = ‖g‖ ‖a‖
+            return total + g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
+        if 2 * steps * steps < d_in * d_out:  # ghost norm, in blocks of rows
+            block = max(1, BLOCK_ELEMENTS // max(1, self.batch * steps))
+            for start in range(0, steps, block):
+                rows = slice(start, start + block)
+                total = total + (torch.bmm(a[:, rows], a.mT) * torch.bmm(g[:, rows], g.mT)).sum((1, 2))
+            return total
+        chunk = max(1, BLOCK_ELEMENTS // (d_in * d_out))  # materialised, a few samples at a time
+        parts = [torch.bmm(g[i : i + chunk].mT, a[i : i + chunk]).pow(2).sum((1, 2)) for i in range(0, self.batch, chunk)]
+        return total + torch.cat(parts)
+
+    def weighted_sum(self, weights):
+        a, g = self._parts()
+        scaled = g * weights.to(g.dtype)[:, None, None]
+        out = {}
+        if "weight" in self.names:
+            out["weight"] = scaled.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2])
+        if "bias" in self.names:
+            out["bias"] = scaled.sum((0, 1))
+        return out
+
+
+class EmbeddingGradients(LayerGradients):
+    def _parts(self):
+        ids = self.args[0].reshape(self.batch, -1)
+        g = self.grad_output.reshape(self.batch, ids.shape[1], -1)
+        keep = None if self.module.padding_idx is None else ids != self.module.padding_idx
+        return ids, g, keep
+
+    def _keyed_rows(self):
+        """Sample b's gradient rows: (row sums (n, D), their sample (n,), their id (n,))."""
+        ids, g, keep = self._parts()
+        vocabulary = self.module.num_embeddings
+        samples = torch.arange(self.batch, device=ids.device)[:, None].expand_as(ids)
+        keys, rows = (samples * vocabulary + ids).reshape(-1), g.reshape(-1, g.shape[-1])
+        if keep is not None:
+            keys, rows = keys[keep.reshape(-1)], rows[keep.reshape(-1)]
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        sums = rows.new_zeros(unique.shape[0], rows.shape[1]).index_add_(0, inverse, rows)
+        return sums, unique // vocabulary, unique % vocabulary
+
+    def per_sample(self):
+        sums, sample, row = self._keyed_rows()
+        weight = self.module.weight
+        out = sums.new_zeros(self.batch, *weight.shape)
+        out[sample, row] = sums
+        return {"weight": out}
+
+    def norms_sq(self):
+        sums, sample, _ = self._keyed_rows()
+        return sums.new_zeros(self.batch).index_add_(0, sample, sums.pow(2).sum(1))
+
+    def weighted_sum(self, weights):
+        ids, g, keep = self._parts()
+        scaled = g * weights.to(g.dtype)[:, None, None]
+        if keep is not None:
+            scaled = scaled * keep[..., None]
+        out = scaled.new_zeros(self.module.weight.shape)
+        return {"weight": out.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]))}
+
+
+class NormAffineGradients(LayerGradients):
+    """LayerNorm and GroupNorm: weight_b = Σ g ⊙ x̂, bias_b = Σ g over the positions each
+    affine parameter applies to (x̂ the normalised input, recomputed)."""
+
+    def per_sample(self):
+        x, g = self.args[0].to(self.grad_output.dtype), self.grad_output
+        module = self.module
+        if isinstance(module, nn.LayerNorm):
+            dims = tuple(range(-len(module.normalized_shape), 0))
+            mean = x.mean(dims, keepdim=True)
+            var = x.var(dims, unbiased=False, keepdim=True)
+            normalized = (x - mean) / torch.sqrt(var + module.eps)
+            summed = tuple(range(1, x.dim() - len(module.normalized_shape)))  # positions per sample
+        else:  # GroupNorm: (B, C, *s), statistics per (sample, group)
+            grouped = x.reshape(x.shape[0], module.num_groups, -1)
+            mean = grouped.mean(-1, keepdim=True)
+            var = grouped.var(-1, unbiased=False, keepdim=True)
+            normalized = ((grouped - mean) / torch.sqrt(var + module.eps)).reshape(x.shape)
+            summed = tuple(range(2, x.dim()))  # the spatial positions of each channel
+        out = {}
+        if "weight" in self.names:
+            out["weight"] = (g * normalized).sum(summed) if summed else g * normalized
+        if "bias" in self.names:
+            out["bias"] = g.sum(summed) if summed else g
+        return out
+
+
+class MaterializedGradients(LayerGradients):
+    """Any layer: each sample's gradient as functx's vmap of the layer's vjp (the layer
+    called on one sample at a time, as a batch of one)."""
+
+    def per_sample(self):
+        from ..ad import vjp
+        from ..nn import functional_call
+        from ..vmap import vmap
+
+        module = self.module
+        own = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in self.names}
+        tensors = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
+
+        def one(g_b, *batched):
+            args = list(self.args)
+            for i, a_b in zip(tensors, batched):
+                args[i] = a_b.unsqueeze(0)
+            _, pullback = vjp(lambda params: functional_call(module, params, tuple(args)), own)
+            return pullback(g_b.unsqueeze(0))[0]
+
+        with torch.enable_grad():
+            return vmap(one)(self.grad_output.detach(), *(self.args[i].detach() for i in tensors))
+
+
+def layer_gradients(module: nn.Module, args: tuple, grad_output: Tensor) -> LayerGradients:
+    """The per-sample gradients of `module`'s own trainable parameters in one call
+    (positional inputs `args`, batch first; `grad_output` the gradient of the summed
+    per-sample losses with respect to the call's output), by the layer's kernel."""
+    if type(module) is nn.Linear:
+        return LinearGradients(module, args, grad_output)
+    if type(module) is nn.Embedding and not module.scale_grad_by_freq and module.max_norm is None:
+        return EmbeddingGradients(module, args, grad_output)
+    if type(module) in (nn.LayerNorm, nn.GroupNorm):
+        return NormAffineGradients(module, args, grad_output)
+    return MaterializedGradients(module, args, grad_output)

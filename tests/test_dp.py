@@ -1,0 +1,199 @@
+"""functx.dp.clipped_grad against the materialised reference: torch.func's vmap(grad)
+per-sample gradients, their norms, clipped by min(1, C / (‖g_b‖ + 1e-6)) and summed
+(float64; float32 with its tolerance); models drawn at random from the layer kinds; edge
+cases: batch 1, zero gradients, every sample clipped, none clipped, tied weights, a layer
+called twice, padding ids, frozen parameters; the noise; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functx
+
+DT = torch.float64
+
+
+def per_sample_loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def reference(model, loss_fn, inputs, targets, max_norm):
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+
+    def one(p, x_b, y_b):
+        out = torch.func.functional_call(model, {**p, **frozen}, (x_b[None],))
+        return loss_fn(out, y_b[None]).sum()
+
+    per = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, inputs, targets)
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.tensordot(clip, g, dims=1) for n, g in per.items()}, norms
+
+
+def assert_matches(model, inputs, targets, max_norm, dtype=DT, loss_fn=per_sample_loss):
+    grads, norms = functx.dp.clipped_grad(model, loss_fn, inputs, targets, max_norm=max_norm)
+    expected, expected_norms = reference(model, loss_fn, inputs, targets, max_norm)
+    tol = {} if dtype == DT else {"rtol": 2e-4, "atol": 2e-5}
+    torch.testing.assert_close(norms, expected_norms, **tol)
+    assert grads.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], msg=name, **tol)
+    return norms
+
+
+class Tokens(nn.Module):
+    """Embedding (padding id 0) -> Linear -> LayerNorm -> Conv1d -> GroupNorm -> Linear."""
+
+    def __init__(self, vocab=11, dim=6, classes=3, tied=False, direct_use=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.conv = nn.Conv1d(dim, dim, 3, padding=1)
+        self.group = nn.GroupNorm(2, dim)
+        self.head = nn.Linear(dim, classes)
+        self.unembed = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.unembed.weight = self.embed.weight
+        self.tied, self.direct_use = tied, direct_use
+
+    def forward(self, ids):
+        h = self.norm(torch.tanh(self.mix(self.embed(ids))))
+        h = self.group(self.conv(h.transpose(1, 2))).transpose(1, 2)
+        if self.tied:  # the embedding matrix used again, as the weight of an output layer
+            h = h + self.unembed(h).softmax(-1)[..., : h.shape[-1]]
+        if self.direct_use:
+            h = h + self.unembed(h).softmax(-1) @ self.embed.weight
+        return self.head(h).mean(1)
+
+
+def mlp(sizes, dtype=DT):
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.Tanh()] if i < len(sizes) - 2 else [])
+    return nn.Sequential(*layers).to(dtype)
+
+
+@pytest.mark.parametrize("max_norm", [1e-4, 0.3, 1e6])  # every sample clipped, some, none
+def test_mlp(max_norm):
+    model = mlp((5, 7, 3))
+    x, y = torch.randn(8, 5, dtype=DT), torch.randint(0, 3, (8,))
+    norms = assert_matches(model, x, y, max_norm)
+    if max_norm == 1e-4:
+        assert (norms > max_norm).all()
+    if max_norm == 1e6:
+        assert (norms < max_norm).all()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_token_model_with_padding_ids_and_tied_weights(tied):
+    model = Tokens(tied=tied).to(DT)
+    ids = torch.randint(0, 11, (6, 9))
+    ids[:, -2:] = 0  # padded
+    ids[0, :4] = 3  # repeated
+    assert_matches(model, ids, torch.randint(0, 3, (6,)), 0.5)
+
+
+def test_a_parameter_used_outside_its_module_is_refused():
+    ids, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="'embed.weight' is used outside the forward"):
+        functx.dp.clipped_grad(Tokens(direct_use=True).to(DT), per_sample_loss, ids, y, max_norm=1.0)
+
+
+def test_in_place_writes_into_a_layer_output():
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)).to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    assert_matches(model, x, y, 0.3)
+
+
+def test_a_layer_called_twice():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.layer(torch.tanh(self.layer(x)))))
+
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 2, (5,))
+    assert_matches(Twice().to(DT), x, y, 0.2)
+
+
+def test_batch_of_one_and_zero_gradients():
+    model = mlp((3, 4, 2))
+    x, y = torch.randn(1, 3, dtype=DT), torch.randint(0, 2, (1,))
+    assert_matches(model, x, y, 0.1)
+    constant = lambda out, y: out.sum(1) * 0  # noqa: E731  zero gradients: norm 0, nothing clipped
+    grads, norms = functx.dp.clipped_grad(model, constant, torch.randn(4, 3, dtype=DT), y, max_norm=1.0)
+    assert torch.equal(norms, torch.zeros(4, dtype=DT))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+
+
+def test_frozen_parameters_and_grad_fields_untouched():
+    model = mlp((3, 4, 2))
+    model[0].weight.requires_grad_(False)
+    x, y = torch.randn(6, 3, dtype=DT), torch.randint(0, 2, (6,))
+    assert_matches(model, x, y, 0.5)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_noise():
+    model = mlp((3, 4, 2))
+    x, y = torch.randn(6, 3, dtype=DT), torch.randint(0, 2, (6,))
+    clean, _ = functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=0.5)
+    noisy, _ = functx.dp.clipped_grad(
+        model, per_sample_loss, x, y, max_norm=0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(3)
+    )
+    again, _ = functx.dp.clipped_grad(
+        model, per_sample_loss, x, y, max_norm=0.5, noise_multiplier=2.0, generator=torch.Generator().manual_seed(3)
+    )
+    deviation = torch.cat([(noisy[k] - clean[k]).flatten() for k in clean])
+    assert torch.equal(torch.cat([again[k].flatten() for k in again]), torch.cat([noisy[k].flatten() for k in noisy]))
+    # N(0, (σC)²) = N(0, 1): the sample deviation of 26 draws is within a loose bound
+    assert 0.5 < deviation.std().item() < 1.6
+
+
+def test_bad_input():
+    model = mlp((3, 4, 2))
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    with pytest.raises(ValueError, match="one loss per sample"):
+        functx.dp.clipped_grad(model, lambda out, y: F.cross_entropy(out, y), x, y, max_norm=1.0)
+    with pytest.raises(ValueError, match="max_norm must be a positive number"):
+        functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=1.0, noise_multiplier=-1)
+    with_bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(DT)
+    with pytest.raises(ValueError, match="BatchNorm1d.*mixes the samples"):
+        functx.dp.clipped_grad(with_bn, per_sample_loss, x, y, max_norm=1.0)
+    with_bn.eval()  # running statistics: per-sample gradients are defined
+    assert_matches(with_bn, x, y, 0.5)
+    assert all(len(m._forward_hooks) == 0 for m in with_bn.modules())  # hooks removed, also after errors
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.integers(1, 5),
+    steps=st.integers(1, 6),
+    dims=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    max_norm=st.sampled_from([1e-3, 0.1, 1.0, 1e3]),
+    sequence=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_models(batch, steps, dims, dtype, max_norm, sequence, seed):
+    """Linear stacks with tanh and an optional LayerNorm, on vectors or sequences."""
+    torch.manual_seed(seed)
+    model = mlp((4, *dims, 3), dtype)
+    if seed % 2:
+        model.insert(1, nn.LayerNorm(dims[0]).to(dtype))
+    shape = (batch, steps, 4) if sequence else (batch, 4)
+    x = torch.randn(shape, dtype=dtype)
+    y = torch.randint(0, 3, shape[:-1])
+    loss = (lambda out, y: F.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(1)) if sequence else per_sample_loss
+    assert_matches(model, x, y, max_norm, dtype, loss)
