@@ -81,26 +81,32 @@ def clipped_grad(
         )
     names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
     _check_parameters_used_in_calls_only(losses, calls, names)
-    outputs = [call.output for call in calls]
-    grad_outputs = torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else ()
-    per_call = [
-        layer_gradients(call.layer, call.args, torch.zeros_like(call.output) if g is None else g.detach())
-        for call, g in zip(calls, grad_outputs)
-    ]
+    outputs = [t for call in calls for t in call.outputs()]
+    grads = iter(torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else ())
+    per_call = []
+    for call in calls:
+        received = [next(grads) for _ in call.outputs()]
+        received = [torch.zeros_like(t) if g is None else g.detach() for t, g in zip(call.outputs(), received)]
+        if isinstance(call.output, Tensor):
+            grad_output = received[0]
+        else:  # None for the output's non-tensor items
+            received = iter(received)
+            grad_output = tuple(next(received) if isinstance(o, Tensor) else None for o in call.output)
+        per_call.append(layer_gradients(call.layer, call.args, grad_output, call.kwargs))
     # A parameter reached by more than one call (a layer called twice, a tied weight): its
     # per-sample gradient is the sum over the calls, whose norm is not the sum of theirs.
     reached: dict = {}
     for call in per_call:
         for local in call.names:
-            reached.setdefault(id(getattr(call.module, local)), []).append(call)
+            reached.setdefault(id(call.module.get_parameter(local)), []).append(call)
     shared = {pid for pid, seen in reached.items() if len(seen) > 1}
     norms_sq = torch.zeros(batch, dtype=_dtype(module), device=_device(module, inputs))
     summed_per_sample: dict = {}  # id(param) -> (B, *shape), for shared parameters
     ghost_calls = []
     for call in per_call:
-        if any(id(getattr(call.module, local)) in shared for local in call.names):
+        if any(id(call.module.get_parameter(local)) in shared for local in call.names):
             for local, g in call.per_sample().items():
-                pid = id(getattr(call.module, local))
+                pid = id(call.module.get_parameter(local))
                 summed_per_sample[pid] = summed_per_sample[pid] + g if pid in summed_per_sample else g
         else:
             norms_sq = norms_sq + call.norms_sq().to(norms_sq.dtype)
@@ -112,7 +118,7 @@ def clipped_grad(
     grads = {name: torch.zeros_like(p) for name, p in module.named_parameters() if p.requires_grad}
     for call in ghost_calls:
         for local, g in call.weighted_sum(clip).items():
-            grads[names[id(getattr(call.module, local))]] += g.to(grads[names[id(getattr(call.module, local))]].dtype)
+            grads[names[id(call.module.get_parameter(local))]] += g.to(grads[names[id(call.module.get_parameter(local))]].dtype)
     for pid, g in summed_per_sample.items():
         grads[names[pid]] += torch.tensordot(clip.to(g.dtype), g, dims=1)
     if noise_multiplier > 0:
@@ -123,8 +129,10 @@ def clipped_grad(
 
 
 def _layers(module: nn.Module) -> list:
-    """The modules that own trainable parameters directly."""
-    layers = []
+    """The outermost modules that own trainable parameters directly: each is one layer with
+    its submodules (nn.MultiheadAttention reads its `out_proj`'s weight without calling it,
+    so a submodule is never trusted to see its own parameters' uses)."""
+    layers, covered = [], []
     for name, sub in module.named_modules():
         if isinstance(sub, _CROSS_SAMPLE) and sub.training:
             raise ValueError(
@@ -132,8 +140,11 @@ def _layers(module: nn.Module) -> list:
                 f"of a batch in training mode, so per-sample gradients are not defined; replace it "
                 f"(GroupNorm, LayerNorm) or put it in eval mode"
             )
+        if any(name.startswith(prefix) for prefix in covered):
+            continue
         if any(p.requires_grad for p in sub.parameters(recurse=False)):
             layers.append(sub)
+            covered.append(f"{name}." if name else "")
     return layers
 
 
@@ -141,15 +152,19 @@ class _Call:
     """One call of a layer: its inputs (detached), its output, and what is needed to check
     them afterwards (versions: written in place since?; the inputs' graph nodes)."""
 
-    __slots__ = ("layer", "args", "output", "versions", "input_nodes")
+    __slots__ = ("layer", "args", "kwargs", "output", "versions", "input_nodes")
 
-    def __init__(self, layer, args, output):
+    def __init__(self, layer, args, kwargs, output):
         self.layer = layer
         self.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+        self.kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         self.output = output
-        tensors = [a for a in args if isinstance(a, Tensor)] + [output]
-        self.versions = [(t, t._version) for t in tensors]
-        self.input_nodes = [a.grad_fn for a in args if isinstance(a, Tensor) and a.grad_fn is not None]
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        self.versions = [(t, t._version) for t in (*inputs, *self.outputs())]
+        self.input_nodes = [a.grad_fn for a in inputs if a.grad_fn is not None]
+
+    def outputs(self) -> list:
+        return [self.output] if isinstance(self.output, Tensor) else [o for o in self.output if isinstance(o, Tensor)]
 
 
 def _written_since(call: _Call) -> bool:
@@ -162,19 +177,35 @@ def _forward(module, layers, loss_fn, inputs, targets, copy_outputs: bool):
     so that writes into it leave the recorded one as it was."""
     calls: list = []
 
+    batch = _batch_size(inputs)
+
     def recorder(layer):
-        def record(_, args, output):
-            if not isinstance(output, Tensor):
+        def record(_, args, kwargs, output):
+            if not isinstance(output, Tensor) and not (
+                isinstance(output, (tuple, list)) and any(isinstance(o, Tensor) for o in output)
+            ):
                 raise TypeError(
-                    f"functx.dp.clipped_grad: {type(layer).__name__} returned {type(output).__name__}; "
-                    f"layers owning parameters must return one tensor"
+                    f"functx.dp.clipped_grad: {type(layer).__name__} returned {type(output).__name__}; layers "
+                    f"owning parameters must return a tensor or a tuple of tensors"
                 )
-            calls.append(_Call(layer, args, output))
-            return output.clone() if copy_outputs else None
+            call = _Call(layer, args, kwargs, output)
+            for t in (*(a for a in args if isinstance(a, Tensor)), *call.outputs()):
+                if t.dim() == 0 or t.shape[0] != batch:
+                    raise ValueError(
+                        f"functx.dp.clipped_grad: {type(layer).__name__} was called with or returned a tensor of "
+                        f"shape {tuple(t.shape)}, whose first dim is not the batch ({batch}): per-sample gradients "
+                        f"need every layer to keep the batch first (e.g. batch_first=True)"
+                    )
+            calls.append(call)
+            if not copy_outputs:
+                return None
+            if isinstance(output, Tensor):
+                return output.clone()
+            return type(output)(o.clone() if isinstance(o, Tensor) else o for o in output)
 
         return record
 
-    hooks = [layer.register_forward_hook(recorder(layer)) for layer in layers]
+    hooks = [layer.register_forward_hook(recorder(layer), with_kwargs=True) for layer in layers]
     try:
         with torch.enable_grad():
             losses = loss_fn(module(*inputs), targets)
@@ -192,8 +223,9 @@ def _check_parameters_used_in_calls_only(losses, calls, names) -> None:
         return
     over = {}
     for call in calls:
-        if call.output.grad_fn is not None:
-            over.setdefault(call.output.grad_fn, []).extend(call.input_nodes)
+        for output in call.outputs():
+            if output.grad_fn is not None:
+                over.setdefault(output.grad_fn, []).extend(call.input_nodes)
     stack, seen = [losses.grad_fn], set()
     while stack:
         node = stack.pop()

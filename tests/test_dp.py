@@ -112,6 +112,35 @@ def test_in_place_writes_into_a_layer_output():
     assert_matches(model, x, y, 0.3)
 
 
+class Encoder(nn.Module):
+    """An embedding, a TransformerEncoderLayer (its MultiheadAttention reads `out_proj`'s
+    parameters without calling it: one layer with its submodules, materialised), a head."""
+
+    def __init__(self, batch_first=True):
+        super().__init__()
+        self.embed = nn.Embedding(13, 8)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)).mean(-2))
+
+
+def test_transformer_encoder_layer():
+    ids, y = torch.randint(0, 13, (4, 5)), torch.randint(0, 3, (4,))
+    assert_matches(Encoder().to(DT), ids, y, 0.5)
+
+
+def test_a_layer_that_does_not_keep_the_batch_first_is_refused():
+    class SequenceFirst(Encoder):
+        def forward(self, ids):
+            return self.head(self.block(self.embed(ids).transpose(0, 1)).mean(0))
+
+    ids, y = torch.randint(0, 13, (4, 5)), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="first dim is not the batch"):
+        functx.dp.clipped_grad(SequenceFirst(batch_first=False).to(DT), per_sample_loss, ids, y, max_norm=1.0)
+
+
 def test_a_layer_called_twice():
     class Twice(nn.Module):
         def __init__(self):

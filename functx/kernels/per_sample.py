@@ -43,16 +43,19 @@ BLOCK_ELEMENTS = 1 << 24
 
 
 class LayerGradients:
-    """Per-sample gradients of `module`'s own trainable parameters from one call: its
-    positional inputs `args` (batch first) and `grad_output`, the gradient of the summed
-    per-sample losses with respect to its output."""
+    """Per-sample gradients of `module`'s trainable parameters (its submodules' too) from
+    one call: its positional inputs `args` (batch first), keyword inputs `kwargs` (the same
+    for every sample), and `grad_output`, the gradient of the summed per-sample losses with
+    respect to its output (a tuple, with None for non-tensor items, where the output is)."""
 
-    def __init__(self, module: nn.Module, args: tuple, grad_output: Tensor):
+    def __init__(self, module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None):
         self.module = module
         self.args = args
+        self.kwargs = kwargs or {}
         self.grad_output = grad_output
-        self.names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        self.batch = grad_output.shape[0]
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        first = grad_output if isinstance(grad_output, Tensor) else next(g for g in grad_output if g is not None)
+        self.batch = first.shape[0]
 
     def per_sample(self) -> dict[str, Tensor]:
         """name -> (B, *param.shape): each sample's gradient."""
@@ -193,29 +196,42 @@ class MaterializedGradients(LayerGradients):
         from ..nn import functional_call
         from ..vmap import vmap
 
-        module = self.module
-        own = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in self.names}
+        module, kwargs = self.module, self.kwargs
+        params = {n: p.detach() for n, p in module.named_parameters() if n in self.names}
         tensors = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
+        several = not isinstance(self.grad_output, Tensor)
 
         def one(g_b, *batched):
             args = list(self.args)
             for i, a_b in zip(tensors, batched):
                 args[i] = a_b.unsqueeze(0)
-            _, pullback = vjp(lambda params: functional_call(module, params, tuple(args)), own)
-            return pullback(g_b.unsqueeze(0))[0]
 
+            def call(params):
+                out = functional_call(module, params, tuple(args), kwargs)
+                return tuple(o if isinstance(o, Tensor) else None for o in out) if several else out
+
+            _, pullback = vjp(call, params)
+            cotangent = tuple(None if g is None else g.unsqueeze(0) for g in g_b) if several else g_b.unsqueeze(0)
+            return pullback(cotangent)[0]
+
+        grad_output = (
+            tuple(None if g is None else g.detach() for g in self.grad_output) if several else self.grad_output.detach()
+        )
+        in_dims = (tuple(None if g is None else 0 for g in grad_output) if several else 0, *(0,) * len(tensors))
         with torch.enable_grad():
-            return vmap(one)(self.grad_output.detach(), *(self.args[i].detach() for i in tensors))
+            return vmap(one, in_dims=in_dims)(grad_output, *(self.args[i].detach() for i in tensors))
 
 
-def layer_gradients(module: nn.Module, args: tuple, grad_output: Tensor) -> LayerGradients:
-    """The per-sample gradients of `module`'s own trainable parameters in one call
-    (positional inputs `args`, batch first; `grad_output` the gradient of the summed
-    per-sample losses with respect to the call's output), by the layer's kernel."""
-    if type(module) is nn.Linear:
+def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None) -> LayerGradients:
+    """The per-sample gradients of `module`'s trainable parameters in one call (positional
+    inputs `args`, batch first; keyword inputs `kwargs`, shared; `grad_output` the gradient
+    of the summed per-sample losses with respect to the call's output), by the layer's
+    kernel, or materialised for a layer without one."""
+    plain = isinstance(grad_output, Tensor) and not kwargs and len(args) == 1
+    if plain and type(module) is nn.Linear:
         return LinearGradients(module, args, grad_output)
-    if type(module) is nn.Embedding and not module.scale_grad_by_freq and module.max_norm is None:
+    if plain and type(module) is nn.Embedding and not module.scale_grad_by_freq and module.max_norm is None:
         return EmbeddingGradients(module, args, grad_output)
-    if type(module) in (nn.LayerNorm, nn.GroupNorm):
+    if plain and type(module) in (nn.LayerNorm, nn.GroupNorm):
         return NormAffineGradients(module, args, grad_output)
-    return MaterializedGradients(module, args, grad_output)
+    return MaterializedGradients(module, args, grad_output, kwargs)
