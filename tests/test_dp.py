@@ -131,6 +131,21 @@ def test_transformer_encoder_layer():
     assert_matches(Encoder().to(DT), ids, y, 0.5)
 
 
+def test_a_module_owning_a_parameter_and_calling_a_layer():
+    class Scaled(nn.Module):  # its own parameter and a child it calls: one layer
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5))
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.scale * torch.tanh(self.inner(x))
+
+    model = nn.Sequential(Scaled(), nn.Linear(4, 2)).to(DT)
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 2, (5,))
+    assert_matches(model, x, y, 0.4)
+
+
 def test_a_layer_that_does_not_keep_the_batch_first_is_refused():
     class SequenceFirst(Encoder):
         def forward(self, ids):
