@@ -112,7 +112,7 @@ def clipped_grad(
             norms_sq = norms_sq + call.norms_sq().to(norms_sq.dtype)
             ghost_calls.append(call)
     for g in summed_per_sample.values():
-        norms_sq = norms_sq + g.flatten(1).pow(2).sum(1).to(norms_sq.dtype)
+        norms_sq = norms_sq + g.reshape(g.shape[0], -1).pow(2).sum(1).to(norms_sq.dtype)
     norms = norms_sq.sqrt()
     clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     grads = {name: torch.zeros_like(p) for name, p in module.named_parameters() if p.requires_grad}

@@ -31,7 +31,7 @@ def reference(model, loss_fn, inputs, targets, max_norm):
         return loss_fn(out, y_b[None]).sum()
 
     per = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, inputs, targets)
-    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per.values()))
+    norms = torch.sqrt(sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in per.values()))
     clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     return {n: torch.tensordot(clip, g, dims=1) for n, g in per.items()}, norms
 

@@ -64,7 +64,7 @@ class LayerGradients:
     def norms_sq(self) -> Tensor:
         """(B,): each sample's squared gradient norm over this layer's parameters."""
         grads = self.per_sample()
-        return sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
+        return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         """name -> Σ_b weights[b] · (sample b's gradient)."""
