@@ -29,9 +29,9 @@ def reference(layer, args, grad_output):
     return torch.func.vmap(one)(grad_output, args[0])
 
 
-def check(layer, a, g, weights):
+def check(layer, a, g, weights, kernel=None):
     expected = reference(layer, (a,), g)
-    kernel = layer_gradients(layer, (a,), g)
+    kernel = kernel or layer_gradients(layer, (a,), g)
     got = kernel.per_sample()
     assert got.keys() == expected.keys()
     for name in expected:
@@ -97,11 +97,51 @@ def test_norm_affine(batch, kind, affine, seed):
     check(layer, a, torch.randn_like(a), torch.rand(batch, dtype=DT))
 
 
-def test_other_layers_materialise():
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    spatial=st.sampled_from([1, 2]),
+    channels=st.integers(1, 3),
+    out=st.integers(1, 4),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 2),
+    dilation=st.integers(1, 2),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_unfolded(batch, spatial, channels, out, kernel, stride, padding, dilation, bias, seed):
+    torch.manual_seed(seed)
+    conv = (nn.Conv1d if spatial == 1 else nn.Conv2d)(channels, out, kernel, stride, padding, dilation, bias=bias).to(DT)
+    a = torch.randn(batch, channels, *(7,) * spatial, dtype=DT)
+    g = torch.randn_like(conv(a))
+    check(conv, a, g, torch.rand(batch, dtype=DT), kernel=per_sample.ConvGradients(conv, (a,), g))
+
+
+def test_conv_kernel_chosen_by_cost():
+    """The ghost norm (unfolded) where 2L² < C·k·O: a large weight, few output positions."""
+    deep, shallow = nn.Conv2d(32, 32, 3), nn.Conv2d(1, 4, 3, padding=1)
+    a_deep, a_shallow = torch.randn(2, 32, 5, 5), torch.randn(2, 1, 12, 12)
+    chosen = [type(layer_gradients(c, (a,), c(a).detach())).__name__ for c, a in ((deep, a_deep), (shallow, a_shallow))]
+    assert chosen == ["ConvGradients", "MaterializedGradients"]
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Conv2d(4, 4, 3, padding=1, groups=2),
+        nn.Conv1d(3, 4, 3, padding="same"),
+        nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"),
+        nn.Conv3d(3, 2, 2),
+        nn.Conv2d(2, 3, 3),  # many positions, a small weight: materialising is cheaper
+    ],
+    ids=["groups", "same", "reflect", "conv3d", "small weight"],
+)
+def test_other_layers_materialise(layer):
     torch.manual_seed(2)
-    layer = nn.Conv1d(3, 4, 3, padding=1).to(DT)
-    a = torch.randn(5, 3, 7, dtype=DT)
-    g = torch.randn(5, 4, 7, dtype=DT)
+    layer = layer.to(DT)
+    a = torch.randn(5, layer.in_channels, *(6,) * (layer.weight.dim() - 2), dtype=DT)
+    g = torch.randn_like(layer(a))
     assert type(layer_gradients(layer, (a,), g)).__name__ == "MaterializedGradients"
     check(layer, a, g, torch.rand(5, dtype=DT))
 
