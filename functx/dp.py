@@ -17,6 +17,7 @@ from torch import Tensor
 from .kernels import layer_gradients
 
 _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
+NOISE_CHUNK = 1 << 20  # elements of noise drawn at a time
 
 
 def clipped_grad(
@@ -115,16 +116,28 @@ def clipped_grad(
         norms_sq = norms_sq + g.reshape(g.shape[0], -1).pow(2).sum(1).to(norms_sq.dtype)
     norms = norms_sq.sqrt()
     clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    grads = {name: torch.zeros_like(p) for name, p in module.named_parameters() if p.requires_grad}
+    parameters = dict(module.named_parameters())
+    sums: dict = {}  # name -> the clipped sum, the first contribution kept as it is (no copy)
+
+    def add(name, g):
+        g = g.to(parameters[name].dtype)
+        sums[name] = g if name not in sums else sums[name].add_(g)
+
     for call in ghost_calls:
         for local, g in call.weighted_sum(clip).items():
-            grads[names[id(call.module.get_parameter(local))]] += g.to(grads[names[id(call.module.get_parameter(local))]].dtype)
+            add(names[id(call.module.get_parameter(local))], g)
     for pid, g in summed_per_sample.items():
-        grads[names[pid]] += torch.tensordot(clip.to(g.dtype), g, dims=1)
+        add(names[pid], torch.tensordot(clip.to(g.dtype), g, dims=1))
+    # in the parameters' order (the noise is drawn in it); zeros where the loss does not reach
+    grads = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in parameters.items() if p.requires_grad}
     if noise_multiplier > 0:
         for name, g in grads.items():
-            noise = torch.randn(g.shape, generator=generator, dtype=g.dtype, device=g.device)
-            g.add_(noise, alpha=noise_multiplier * max_norm)
+            if not g.is_contiguous():
+                g = grads[name] = g.contiguous()
+            # drawn in chunks: an embedding's (V, D) noise at once would double its memory
+            for chunk in g.view(-1).split(NOISE_CHUNK):
+                noise = torch.randn(chunk.shape, generator=generator, dtype=g.dtype, device=g.device)
+                chunk.add_(noise, alpha=noise_multiplier * max_norm)
     return grads, norms.detach()
 
 

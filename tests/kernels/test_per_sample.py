@@ -123,19 +123,34 @@ def test_conv_kernel_chosen_by_cost():
     deep, shallow = nn.Conv2d(32, 32, 3), nn.Conv2d(1, 4, 3, padding=1)
     a_deep, a_shallow = torch.randn(2, 32, 5, 5), torch.randn(2, 1, 12, 12)
     chosen = [type(layer_gradients(c, (a,), c(a).detach())).__name__ for c, a in ((deep, a_deep), (shallow, a_shallow))]
-    assert chosen == ["ConvGradients", "MaterializedGradients"]
+    assert chosen == ["ConvGradients", "GroupedConvGradients"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    spatial=st.sampled_from([1, 2, 3]),
+    groups=st.sampled_from([1, 2]),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 2),
+    dilation=st.integers(1, 2),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_conv_grouped(batch, spatial, groups, kernel, stride, padding, dilation, bias, seed):
+    torch.manual_seed(seed)
+    cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[spatial - 1]
+    conv = cls(2 * groups, 2 * groups, kernel, stride, padding, dilation, groups=groups, bias=bias).to(DT)
+    a = torch.randn(batch, 2 * groups, *(6,) * spatial, dtype=DT)
+    g = torch.randn_like(conv(a))
+    check(conv, a, g, torch.rand(batch, dtype=DT), kernel=per_sample.GroupedConvGradients(conv, (a,), g))
 
 
 @pytest.mark.parametrize(
     "layer",
-    [
-        nn.Conv2d(4, 4, 3, padding=1, groups=2),
-        nn.Conv1d(3, 4, 3, padding="same"),
-        nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"),
-        nn.Conv3d(3, 2, 2),
-        nn.Conv2d(2, 3, 3),  # many positions, a small weight: materialising is cheaper
-    ],
-    ids=["groups", "same", "reflect", "conv3d", "small weight"],
+    [nn.Conv1d(3, 4, 3, padding="same"), nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"), nn.ConvTranspose1d(3, 2, 2)],
+    ids=["same", "reflect", "transposed"],
 )
 def test_other_layers_materialise(layer):
     torch.manual_seed(2)
