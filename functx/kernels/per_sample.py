@@ -41,9 +41,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-# Working memory per block of the ghost norm's T×T products and per chunk of materialised
-# per-sample weight gradients, in elements (16 Mi floats: 64 MiB in float32).
-BLOCK_ELEMENTS = 1 << 24
+from . import ops
 
 
 class LayerGradients:
@@ -107,27 +105,15 @@ class LinearGradients(LayerGradients):
             total = total + g.sum(1).pow(2).sum(1)
         if "weight" not in self.names:
             return total
-        steps, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-        if steps == 1:  # an outer product: ‖g a^T‖ = ‖g‖ ‖a‖
-            return total + g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
-        if 2 * steps * steps < d_in * d_out:  # ghost norm, in blocks of rows
-            block = max(1, BLOCK_ELEMENTS // max(1, self.batch * steps))
-            for start in range(0, steps, block):
-                rows = slice(start, start + block)
-                total = total + (torch.bmm(a[:, rows], a.mT) * torch.bmm(g[:, rows], g.mT)).sum((1, 2))
-            return total
-        chunk = max(1, BLOCK_ELEMENTS // (d_in * d_out))  # materialised, a few samples at a time
-        parts = [torch.bmm(g[i : i + chunk].mT, a[i : i + chunk]).pow(2).sum((1, 2)) for i in range(0, self.batch, chunk)]
-        return total + torch.cat(parts)
+        return total + ops.linear_weight_norms_sq(a, g)  # outer product, ghost norm or materialised
 
     def weighted_sum(self, weights):
         a, g = self._parts()
-        scaled = g * weights.to(g.dtype)[:, None, None]
         out = {}
         if "weight" in self.names:
-            out["weight"] = (scaled.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2])).reshape(self.module.weight.shape)
+            out["weight"] = ops.linear_weight_weighted_sum(a, g, weights).reshape(self.module.weight.shape)
         if "bias" in self.names:
-            out["bias"] = scaled.sum((0, 1))
+            out["bias"] = torch.tensordot(weights.to(g.dtype), g.sum(1), dims=1)
         return out
 
 
@@ -205,16 +191,13 @@ class EmbeddingGradients(LayerGradients):
         return {"weight": out}
 
     def norms_sq(self):
-        sums, sample, _ = self._keyed_rows()
-        return sums.new_zeros(self.batch).index_add_(0, sample, sums.pow(2).sum(1))
+        ids, g, _ = self._parts()
+        return ops.embedding_norms_sq(ids, g, self.module.num_embeddings, self.module.padding_idx)
 
     def weighted_sum(self, weights):
-        ids, g, keep = self._parts()
-        scaled = g * weights.to(g.dtype)[:, None, None]
-        if keep is not None:
-            scaled = scaled * keep[..., None]
-        out = scaled.new_zeros(self.module.weight.shape)
-        return {"weight": out.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]))}
+        ids, g, _ = self._parts()
+        module = self.module
+        return {"weight": ops.embedding_weighted_sum(ids, g, weights, module.num_embeddings, module.padding_idx)}
 
 
 class NormAffineGradients(LayerGradients):

@@ -11,6 +11,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import functx.kernels.ops as ops
 import functx.kernels.per_sample as per_sample
 from functx.kernels import layer_gradients
 
@@ -64,7 +65,7 @@ def test_linear_sequence_paths(path, monkeypatch):
     torch.manual_seed(1)
     steps, d = (3, 8) if path != "materialised" else (9, 2)
     if path == "ghost in blocks":
-        monkeypatch.setattr(per_sample, "BLOCK_ELEMENTS", 7)
+        monkeypatch.setattr(ops, "BLOCK_ELEMENTS", 7)
     layer = nn.Linear(d, d).to(DT)
     a, g = torch.randn(4, steps, d, dtype=DT), torch.randn(4, steps, d, dtype=DT)
     assert (2 * steps * steps < d * d) == (path != "materialised")

@@ -1,0 +1,139 @@
+"""The per-sample kernels as operators (`torch.library.custom_op`, namespace `functx`).
+
+As operators they are one node to every transform and to torch.compile (fake kernels give
+their shapes), `torch.library.opcheck` checks each, and a device can get a kernel of its own
+(the CPU one is the torch code here). Each has a functx batching rule: the norms fold a vmap
+dimension into the sample dimension (samples are independent), the sums run per element.
+
+    linear_weight_norms_sq(a, g)                 (B, T, d_in), (B, T, d_out) -> (B,):
+                                                 ‖Σ_t g_bt a_btᵀ‖² per sample
+    linear_weight_weighted_sum(a, g, w)          -> (d_out, d_in): Σ_b w_b Σ_t g_bt a_btᵀ
+    embedding_norms_sq(ids, g, V, padding_idx)   (B, T), (B, T, D) -> (B,): the squared norm of
+                                                 sample b's embedding gradient
+    embedding_weighted_sum(ids, g, w, V, padding_idx)  -> (V, D)
+
+    >>> import torch, functx.kernels.ops as ops
+    >>> a, g = torch.randn(4, 1, 3), torch.randn(4, 1, 2)
+    >>> torch.allclose(ops.linear_weight_norms_sq(a, g), (a ** 2).sum((1, 2)) * (g ** 2).sum((1, 2)))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..library import register_vmap
+
+# Working memory per block of the ghost norm's T×T products and per chunk of materialised
+# per-sample weight gradients, in elements (16 Mi floats: 64 MiB in float32).
+BLOCK_ELEMENTS = 1 << 24
+
+
+@torch.library.custom_op("functx::linear_weight_norms_sq", mutates_args=())
+def linear_weight_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+    batch, steps, d_in = a.shape
+    d_out = g.shape[2]
+    if steps == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖ ‖a‖
+        return g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
+    if 2 * steps * steps < d_in * d_out:  # the ghost norm ⟨A Aᵀ, G Gᵀ⟩, in blocks of rows
+        total = g.new_zeros(batch)
+        block = max(1, BLOCK_ELEMENTS // max(1, batch * steps))
+        for start in range(0, steps, block):
+            rows = slice(start, start + block)
+            total = total + (torch.bmm(a[:, rows], a.mT) * torch.bmm(g[:, rows], g.mT)).sum((1, 2))
+        return total
+    chunk = max(1, BLOCK_ELEMENTS // (d_in * d_out))  # materialised, a few samples at a time
+    parts = [torch.bmm(g[i : i + chunk].mT, a[i : i + chunk]).pow(2).sum((1, 2)) for i in range(0, batch, chunk)]
+    return torch.cat(parts) if parts else g.new_zeros(0)
+
+
+@linear_weight_norms_sq.register_fake
+def _(a, g):
+    return g.new_empty(a.shape[0])
+
+
+@torch.library.custom_op("functx::linear_weight_weighted_sum", mutates_args=())
+def linear_weight_weighted_sum(a: Tensor, g: Tensor, weights: Tensor) -> Tensor:
+    scaled = g * weights.to(g.dtype)[:, None, None]
+    return scaled.reshape(-1, g.shape[2]).T @ a.reshape(-1, a.shape[2])
+
+
+@linear_weight_weighted_sum.register_fake
+def _(a, g, weights):
+    return g.new_empty(g.shape[2], a.shape[2])
+
+
+def _token_keys(ids: Tensor, num_embeddings: int, padding_idx: int | None):
+    """Each token's (sample, id) key, and which tokens count (padding ids do not)."""
+    samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+    keys = (samples * num_embeddings + ids).reshape(-1)
+    keep = None if padding_idx is None else (ids != padding_idx).reshape(-1)
+    return keys, keep
+
+
+@torch.library.custom_op("functx::embedding_norms_sq", mutates_args=())
+def embedding_norms_sq(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None) -> Tensor:
+    keys, keep = _token_keys(ids, num_embeddings, padding_idx)
+    rows = g.reshape(-1, g.shape[-1])
+    if keep is not None:
+        keys, rows = keys[keep], rows[keep]
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    sums = rows.new_zeros(unique.shape[0], rows.shape[1]).index_add_(0, inverse, rows)
+    return sums.new_zeros(ids.shape[0]).index_add_(0, unique // num_embeddings, sums.pow(2).sum(1))
+
+
+@embedding_norms_sq.register_fake
+def _(ids, g, num_embeddings, padding_idx):
+    return g.new_empty(ids.shape[0])
+
+
+@torch.library.custom_op("functx::embedding_weighted_sum", mutates_args=())
+def embedding_weighted_sum(
+    ids: Tensor, g: Tensor, weights: Tensor, num_embeddings: int, padding_idx: int | None
+) -> Tensor:
+    scaled = g * weights.to(g.dtype)[:, None, None]
+    if padding_idx is not None:
+        scaled = scaled * (ids != padding_idx)[..., None]
+    out = scaled.new_zeros(num_embeddings, g.shape[-1])
+    return out.index_add_(0, ids.reshape(-1), scaled.reshape(-1, g.shape[-1]))
+
+
+@embedding_weighted_sum.register_fake
+def _(ids, g, weights, num_embeddings, padding_idx):
+    return g.new_empty(num_embeddings, g.shape[-1])
+
+
+# -- functx batching rules --------------------------------------------------------------------
+def _batched(x, dim, size):
+    """x with its vmap dimension first (expanded where it has none)."""
+    return x.movedim(dim, 0) if dim is not None else x.expand(size, *x.shape)
+
+
+def _norms_rule(op):
+    """Norms per sample: a vmap dimension joins the sample dimension."""
+
+    def rule(info, in_dims, first, g, *rest):
+        size = info.batch_size
+        first, g = _batched(first, in_dims[0], size), _batched(g, in_dims[1], size)
+        out = op(first.flatten(0, 1), g.flatten(0, 1), *rest)
+        return out.unflatten(0, (size, -1)), 0
+
+    return rule
+
+
+def _per_element_rule(op, tensors: int):
+    """Sums over the samples: one call per vmap element."""
+
+    def rule(info, in_dims, *args):
+        size = info.batch_size
+        batched = [_batched(a, d, size) for a, d in zip(args[:tensors], in_dims[:tensors])]
+        return torch.stack([op(*(b[i] for b in batched), *args[tensors:]) for i in range(size)]), 0
+
+    return rule
+
+
+register_vmap(linear_weight_norms_sq, _norms_rule(linear_weight_norms_sq))
+register_vmap(embedding_norms_sq, _norms_rule(embedding_norms_sq))
+register_vmap(linear_weight_weighted_sum, _per_element_rule(linear_weight_weighted_sum, 3))
+register_vmap(embedding_weighted_sum, _per_element_rule(embedding_weighted_sum, 3))
