@@ -2,7 +2,8 @@
 
 As operators they are one node to every transform and to torch.compile (fake kernels give
 their shapes), `torch.library.opcheck` checks each, and a device can get a kernel of its own
-(the CPU one is the torch code here). Each has a functx batching rule: the norms fold a vmap
+(the CPU one is the torch code here; CUDA's ghost norm is Triton's, triton_kernels.py). Each
+has a functx batching rule: the norms fold a vmap
 dimension into the sample dimension (samples are independent), the sums run per element.
 
     linear_weight_norms_sq(a, g)                 (B, T, d_in), (B, T, d_out) -> (B,):
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..library import register_vmap
+from . import triton_kernels
 
 # Working memory per block of the ghost norm's T×T products and per chunk of materialised
 # per-sample weight gradients, in elements (16 Mi floats: 64 MiB in float32).
@@ -32,11 +34,22 @@ BLOCK_ELEMENTS = 1 << 24
 
 @torch.library.custom_op("functx::linear_weight_norms_sq", mutates_args=())
 def linear_weight_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+    return _linear_weight_norms_sq(a, g)
+
+
+def _ghost_pays(a: Tensor, g: Tensor) -> bool:
+    steps = a.shape[1]
+    return steps > 1 and 2 * steps * steps < a.shape[2] * g.shape[2]
+
+
+def _linear_weight_norms_sq(a: Tensor, g: Tensor) -> Tensor:
+    """The torch code: an outer product's norm, the ghost norm in row blocks, or the
+    per-sample gradients materialised a few samples at a time, whichever costs least."""
     batch, steps, d_in = a.shape
     d_out = g.shape[2]
     if steps == 1:  # an outer product: ‖g aᵀ‖ = ‖g‖ ‖a‖
         return g.pow(2).sum((1, 2)) * a.pow(2).sum((1, 2))
-    if 2 * steps * steps < d_in * d_out:  # the ghost norm ⟨A Aᵀ, G Gᵀ⟩, in blocks of rows
+    if _ghost_pays(a, g):  # the ghost norm ⟨A Aᵀ, G Gᵀ⟩, in blocks of rows
         total = g.new_zeros(batch)
         block = max(1, BLOCK_ELEMENTS // max(1, batch * steps))
         for start in range(0, steps, block):
@@ -51,6 +64,18 @@ def linear_weight_norms_sq(a: Tensor, g: Tensor) -> Tensor:
 @linear_weight_norms_sq.register_fake
 def _(a, g):
     return g.new_empty(a.shape[0])
+
+
+def linear_weight_norms_sq_cuda(a: Tensor, g: Tensor) -> Tensor:
+    """The CUDA kernel: the ghost norm by Triton (one kernel, no T×T matrix in memory) where
+    it pays and triton is installed; the torch code otherwise. (Runs on CPU tensors too with
+    TRITON_INTERPRET=1: how the tests check it without a GPU.)"""
+    if triton_kernels.available and _ghost_pays(a, g):
+        return triton_kernels.ghost_norms_sq(a, g)
+    return _linear_weight_norms_sq(a, g)
+
+
+linear_weight_norms_sq.register_kernel("cuda")(linear_weight_norms_sq_cuda)
 
 
 @torch.library.custom_op("functx::linear_weight_weighted_sum", mutates_args=())
