@@ -146,6 +146,32 @@ def test_a_module_owning_a_parameter_and_calling_a_layer():
     assert_matches(model, x, y, 0.4)
 
 
+def test_lstm_against_a_per_sample_autograd_loop():
+    """An LSTM (a tuple output, materialised by vmap of grad of ⟨output, gradient⟩: vmap of
+    its vjp fails on the zero initial state, as torch.func's vmap(grad) of the model does),
+    against a loop of torch.autograd.grad per sample."""
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    model = Recurrent().to(DT)
+    x, y = torch.randn(5, 7, 4, dtype=DT), torch.randint(0, 3, (5,))
+    max_norm = 0.3
+    grads, norms = functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=max_norm)
+    params = [p for p in model.parameters()]
+    per = [torch.autograd.grad(per_sample_loss(model(x[b : b + 1]), y[b : b + 1]).sum(), params) for b in range(5)]
+    expected_norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in sample)) for sample in per])
+    torch.testing.assert_close(norms, expected_norms)
+    clip = (max_norm / (expected_norms + 1e-6)).clamp(max=1.0)
+    for i, (name, _) in enumerate(model.named_parameters()):
+        torch.testing.assert_close(grads[name], sum(clip[b] * per[b][i] for b in range(5)), msg=name)
+
+
 def test_a_layer_that_does_not_keep_the_batch_first_is_refused():
     class SequenceFirst(Encoder):
         def forward(self, ids):

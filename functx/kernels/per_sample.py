@@ -234,7 +234,7 @@ class MaterializedGradients(LayerGradients):
         return grads
 
     def _per_sample(self):
-        from ..ad import vjp
+        from ..ad import grad
         from ..nn import functional_call
         from ..vmap import vmap
 
@@ -248,13 +248,15 @@ class MaterializedGradients(LayerGradients):
             for i, a_b in zip(tensors, batched):
                 args[i] = a_b.unsqueeze(0)
 
-            def call(params):
+            def paired(params):
+                """⟨output, its gradient⟩: its gradient is the vjp with that cotangent (as grad,
+                which composes with vmap where vjp does not: an LSTM's zero initial state)."""
                 out = functional_call(module, params, tuple(args), kwargs)
-                return tuple(o if isinstance(o, Tensor) else None for o in out) if several else out
+                if not several:
+                    return (out * g_b.unsqueeze(0)).sum()
+                return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, g_b) if g is not None)
 
-            _, pullback = vjp(call, params)
-            cotangent = tuple(None if g is None else g.unsqueeze(0) for g in g_b) if several else g_b.unsqueeze(0)
-            return pullback(cotangent)[0]
+            return grad(paired)(params)
 
         grad_output = (
             tuple(None if g is None else g.detach() for g in self.grad_output) if several else self.grad_output.detach()
