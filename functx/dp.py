@@ -29,6 +29,7 @@ def clipped_grad(
     max_norm: float,
     noise_multiplier: float = 0.0,
     generator: torch.Generator | None = None,
+    params: dict[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """The DP-SGD gradient of one batch: Σ_b min(1, max_norm / ‖g_b‖) g_b + N(0, (σ·max_norm)²)
     per parameter, where g_b is the gradient of sample b's loss, and the per-sample norms ‖g_b‖.
@@ -46,6 +47,10 @@ def clipped_grad(
         max_norm: the clipping norm C.
         noise_multiplier: σ; 0 for no noise.
         generator: for the noise.
+        params: functional state instead of the module's own parameters (a dict as for
+            `functx.functional_call`: parameters and buffers by name, tied names kept tied):
+            the gradient is taken with respect to the parameters given, at their values; the
+            module's other parameters are held fixed, and the module is left as it was.
 
     Returns:
         (grads, norms): parameter name -> the clipped (noised) sum, shaped as the parameter;
@@ -62,6 +67,8 @@ def clipped_grad(
         >>> grads["0.weight"].shape, norms.shape
         (torch.Size([8, 4]), torch.Size([16]))
     """
+    if params is not None:
+        return _with_state(module, params, loss_fn, inputs, targets, max_norm, noise_multiplier, generator)
     if not isinstance(max_norm, (int, float)) or max_norm <= 0:
         raise ValueError(f"functx.dp.clipped_grad: max_norm must be a positive number, got {max_norm!r}")
     if noise_multiplier < 0:
@@ -99,15 +106,15 @@ def clipped_grad(
     reached: dict = {}
     for call in per_call:
         for local in call.names:
-            reached.setdefault(id(call.module.get_parameter(local)), []).append(call)
+            reached.setdefault(id(_member(call.module, local)), []).append(call)
     shared = {pid for pid, seen in reached.items() if len(seen) > 1}
     norms_sq = torch.zeros(batch, dtype=_dtype(module), device=_device(module, inputs))
     summed_per_sample: dict = {}  # id(param) -> (B, *shape), for shared parameters
     ghost_calls = []
     for call in per_call:
-        if any(id(call.module.get_parameter(local)) in shared for local in call.names):
+        if any(id(_member(call.module, local)) in shared for local in call.names):
             for local, g in call.per_sample().items():
-                pid = id(call.module.get_parameter(local))
+                pid = id(_member(call.module, local))
                 summed_per_sample[pid] = summed_per_sample[pid] + g if pid in summed_per_sample else g
         else:
             norms_sq = norms_sq + call.norms_sq().to(norms_sq.dtype)
@@ -125,7 +132,7 @@ def clipped_grad(
 
     for call in ghost_calls:
         for local, g in call.weighted_sum(clip).items():
-            add(names[id(call.module.get_parameter(local))], g)
+            add(names[id(_member(call.module, local))], g)
     for pid, g in summed_per_sample.items():
         add(names[pid], torch.tensordot(clip.to(g.dtype), g, dims=1))
     # in the parameters' order (the noise is drawn in it); zeros where the loss does not reach
@@ -139,6 +146,32 @@ def clipped_grad(
                 noise = torch.randn(chunk.shape, generator=generator, dtype=g.dtype, device=g.device)
                 chunk.add_(noise, alpha=noise_multiplier * max_norm)
     return grads, norms.detach()
+
+
+def _member(module: nn.Module, name: str) -> Tensor:
+    """The tensor at a dotted name (`get_parameter` refuses the plain tensors a functional
+    state swaps in)."""
+    owner, _, attribute = name.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, attribute)
+
+
+def _with_state(module, params, loss_fn, inputs, targets, max_norm, noise_multiplier, generator):
+    """`clipped_grad` at the functional state `params`: the module runs with them swapped in
+    (as functional_call swaps them), the given parameters differentiated (detached copies
+    that require grad: the caller's tensors are not touched), the others held fixed."""
+    from .nn.functional_call import _swapped, _untie
+
+    if not isinstance(params, dict):
+        raise TypeError(f"functx.dp.clipped_grad: params must be a dict of name -> tensor, got {type(params).__name__}")
+    own = dict(module.named_parameters(remove_duplicate=False))
+    given = _untie(module, params)
+    values = {name: p.detach() for name, p in own.items()}  # held fixed unless given
+    for name, t in given.items():
+        values[name] = t.detach().requires_grad_() if name in own and t.is_floating_point() else t
+    with _swapped(module, values):
+        return clipped_grad(
+            module, loss_fn, inputs, targets, max_norm=max_norm, noise_multiplier=noise_multiplier, generator=generator
+        )
 
 
 def _layers(module: nn.Module) -> list:

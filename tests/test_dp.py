@@ -172,6 +172,33 @@ def test_lstm_against_a_per_sample_autograd_loop():
         torch.testing.assert_close(grads[name], sum(clip[b] * per[b][i] for b in range(5)), msg=name)
 
 
+def test_functional_state():
+    """params=: the gradient at the given state, against the module loaded with it and
+    against torch.func's vmap(grad) of functional_call; the module and the given tensors
+    are left as they were; parameters not given are held fixed."""
+    model = Tokens().to(DT)
+    ids, y = torch.randint(0, 11, (5, 6)), torch.randint(0, 3, (5,))
+    state = {k: v.detach() + 0.1 * torch.randn_like(v) for k, v in model.named_parameters()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    objects = [id(p) for p in model.parameters()]
+    grads, norms = functx.dp.clipped_grad(model, per_sample_loss, ids, y, max_norm=0.5, params=state)
+    loaded = Tokens().to(DT)
+    loaded.load_state_dict({**model.state_dict(), **state})
+    expected, expected_norms = functx.dp.clipped_grad(loaded, per_sample_loss, ids, y, max_norm=0.5)
+    torch.testing.assert_close(norms, expected_norms)
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], msg=name)
+    reference_grads, reference_norms = reference(loaded, per_sample_loss, ids, y, 0.5)
+    torch.testing.assert_close(norms, reference_norms)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and objects == [id(p) for p in model.parameters()]
+    assert all(not t.requires_grad for t in state.values())
+    partial = {"head.weight": state["head.weight"]}  # the others held fixed: only head.weight differentiated
+    grads, _ = functx.dp.clipped_grad(model, per_sample_loss, ids, y, max_norm=0.5, params=partial)
+    assert list(grads) == ["head.weight"]
+    with pytest.raises(TypeError, match="params must be a dict"):
+        functx.dp.clipped_grad(model, per_sample_loss, ids, y, max_norm=0.5, params=[state])
+
+
 def test_a_layer_that_does_not_keep_the_batch_first_is_refused():
     class SequenceFirst(Encoder):
         def forward(self, ids):
