@@ -12,6 +12,8 @@ dimension into the sample dimension (samples are independent), the sums run per 
     embedding_norms_sq(ids, g, V, padding_idx)   (B, T), (B, T, D) -> (B,): the squared norm of
                                                  sample b's embedding gradient
     embedding_weighted_sum(ids, g, w, V, padding_idx)  -> (V, D)
+    conv_per_sample_weight_grads(x, g, weight_shape, stride, padding, dilation, groups)
+                                                 -> (B, *weight_shape)
 
     >>> import torch, functx.kernels.ops as ops
     >>> a, g = torch.randn(4, 1, 3), torch.randn(4, 1, 2)
@@ -129,6 +131,28 @@ def _(ids, g, weights, num_embeddings, padding_idx):
     return g.new_empty(num_embeddings, g.shape[-1])
 
 
+@torch.library.custom_op("functx::conv_per_sample_weight_grads", mutates_args=())
+def conv_per_sample_weight_grads(
+    x: Tensor, g: Tensor, weight_shape: list[int], stride: list[int], padding: list[int], dilation: list[int], groups: int
+) -> Tensor:
+    """(B, C, *s_in), (B, O, *s_out) -> (B, *weight_shape): each sample's convolution weight
+    gradient, as one grouped convolution backward with the batch folded into the channels and
+    the groups (sample b's channels form block b); only the weight's gradient is asked for,
+    so the weight passed is zeros of its shape."""
+    batch = x.shape[0]
+    weight = g.new_zeros(weight_shape).expand(batch, *weight_shape).flatten(0, 1)
+    grouped = torch.ops.aten.convolution_backward.default(
+        g.flatten(0, 1).unsqueeze(0), x.to(g.dtype).flatten(0, 1).unsqueeze(0), weight, None,
+        stride, padding, dilation, False, [0] * (x.dim() - 2), groups * batch, [False, True, False],
+    )[1]  # fmt: skip
+    return grouped.unflatten(0, (batch, -1))
+
+
+@conv_per_sample_weight_grads.register_fake
+def _(x, g, weight_shape, stride, padding, dilation, groups):
+    return g.new_empty(x.shape[0], *weight_shape)
+
+
 # -- functx batching rules --------------------------------------------------------------------
 def _batched(x, dim, size):
     """x with its vmap dimension first (expanded where it has none)."""
@@ -160,5 +184,6 @@ def _per_element_rule(op, tensors: int):
 
 register_vmap(linear_weight_norms_sq, _norms_rule(linear_weight_norms_sq))
 register_vmap(embedding_norms_sq, _norms_rule(embedding_norms_sq))
+register_vmap(conv_per_sample_weight_grads, _norms_rule(conv_per_sample_weight_grads))  # per sample too
 register_vmap(linear_weight_weighted_sum, _per_element_rule(linear_weight_weighted_sum, 3))
 register_vmap(embedding_weighted_sum, _per_element_rule(embedding_weighted_sum, 3))

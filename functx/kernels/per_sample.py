@@ -147,18 +147,11 @@ class GroupedConvGradients(LayerGradients):
 
     def _per_sample(self):
         conv, x, g = self.module, self.args[0].to(self.grad_output.dtype), self.grad_output
-        batch = self.batch
         out = {}
         if "weight" in self.names:
-            weight = conv.weight.detach().to(g.dtype)
-            grouped = torch.ops.aten.convolution_backward.default(
-                g.flatten(0, 1).unsqueeze(0),  # (1, B·O, *s): sample b's channels form block b
-                x.flatten(0, 1).unsqueeze(0),
-                weight.expand(batch, *weight.shape).flatten(0, 1),
-                None, list(conv.stride), list(conv.padding), list(conv.dilation), False,
-                [0] * (x.dim() - 2), conv.groups * batch, [False, True, False],
-            )[1]  # fmt: skip
-            out["weight"] = grouped.unflatten(0, (batch, -1))
+            out["weight"] = ops.conv_per_sample_weight_grads(
+                x, g, list(conv.weight.shape), list(conv.stride), list(conv.padding), list(conv.dilation), conv.groups
+            )
         if "bias" in self.names:
             out["bias"] = g.sum(tuple(range(2, g.dim())))
         return out

@@ -59,6 +59,24 @@ def test_embedding_ops(dtype, padding_idx):
     torch.library.opcheck(ops.embedding_weighted_sum, (ids, g, w, 5, padding_idx))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spatial, groups, stride, padding, dilation", [(1, 1, 1, 0, 1), (2, 2, 2, 1, 1), (2, 1, 1, 2, 2), (3, 1, 1, 1, 1)])
+def test_conv_op(dtype, spatial, groups, stride, padding, dilation):
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[spatial - 1](
+        4, 4, 3, stride, padding, dilation, groups=groups, bias=False
+    ).to(dtype)
+    x = torch.randn(3, 4, *(7,) * spatial, dtype=dtype)
+    g = torch.randn_like(conv(x))
+    expected = torch.stack(
+        [torch.autograd.grad(conv(x[b : b + 1]), conv.weight, g[b : b + 1])[0] for b in range(3)]
+    )  # a per-sample autograd loop
+    settings = ([*conv.weight.shape], [stride] * spatial, [padding] * spatial, [dilation] * spatial, groups)
+    torch.testing.assert_close(ops.conv_per_sample_weight_grads(x, g, *settings), expected)
+    torch.library.opcheck(ops.conv_per_sample_weight_grads, (x, g, *settings))
+    folded = functx.vmap(lambda a, b: ops.conv_per_sample_weight_grads(a, b, *settings))(x[None].expand(2, *x.shape), g[None].expand(2, *g.shape))
+    torch.testing.assert_close(folded, expected[None].expand(2, *expected.shape))
+
+
 def test_batching_rules():
     """vmap over a leading dim of models (e.g. an ensemble's layers): the norms fold it into
     the samples, the sums run per element; both against a loop, shared inputs included."""
