@@ -91,7 +91,7 @@ def _(a, g, weights):
     return g.new_empty(g.shape[2], a.shape[2])
 
 
-def _token_keys(ids: Tensor, num_embeddings: int, padding_idx: int | None):
+def token_keys(ids: Tensor, num_embeddings: int, padding_idx: int | None):
     """Each token's (sample, id) key, and which tokens count (padding ids do not)."""
     samples = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
     keys = (samples * num_embeddings + ids).reshape(-1)
@@ -101,7 +101,7 @@ def _token_keys(ids: Tensor, num_embeddings: int, padding_idx: int | None):
 
 @torch.library.custom_op("functx::embedding_norms_sq", mutates_args=())
 def embedding_norms_sq(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None) -> Tensor:
-    keys, keep = _token_keys(ids, num_embeddings, padding_idx)
+    keys, keep = token_keys(ids, num_embeddings, padding_idx)
     rows = g.reshape(-1, g.shape[-1])
     if keep is not None:
         keys, rows = keys[keep], rows[keep]

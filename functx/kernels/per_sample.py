@@ -22,8 +22,8 @@ Per layer type:
   one grouped convolution backward (the batch folded into the groups).
 - LayerNorm / GroupNorm affine parameters: the per-sample gradients are small (B × C),
   computed directly from the normalised input.
-- Any other layer: `vmap` of the layer's vjp (materialised, correct for any layer that
-  treats dim 0 as the batch).
+- Any other layer: materialised, functx's `vmap` of `grad` of ⟨output, output gradient⟩
+  (the layer's vjp; correct for any layer that treats dim 0 as the batch).
 
     >>> import torch, functx
     >>> from functx.kernels import layer_gradients
@@ -36,6 +36,8 @@ Per layer type:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -60,7 +62,14 @@ class LayerGradients:
         self.batch = first.shape[0]
 
     def per_sample(self) -> dict[str, Tensor]:
-        """name -> (B, *param.shape): each sample's gradient."""
+        """name -> (B, *param.shape): each sample's gradient (made once: the norms and the
+        sum of a layer without a kernel of its own both read them)."""
+        grads = self.__dict__.get("_per_sample_grads")
+        if grads is None:
+            grads = self._per_sample_grads = self._per_sample()
+        return grads
+
+    def _per_sample(self) -> dict[str, Tensor]:
         raise NotImplementedError
 
     def norms_sq(self) -> Tensor:
@@ -79,18 +88,18 @@ def _rows(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class LinearGradients(LayerGradients):
+    @functools.cached_property
     def _parts(self):
-        parts = self.__dict__.get("_cached_parts")
-        if parts is None:  # norms and sums both read them: made once
-            parts = self._cached_parts = self._rows()
-        return parts
+        """(a, g) as (B, T, d): the norms and the sum both read them (an unfolded
+        convolution's are made once)."""
+        return self._rows()
 
     def _rows(self):
         a, g = _rows(self.args[0], self.grad_output)
         return a.to(g.dtype), g
 
-    def per_sample(self):
-        a, g = self._parts()
+    def _per_sample(self):
+        a, g = self._parts
         out = {}
         if "weight" in self.names:
             out["weight"] = torch.bmm(g.mT, a).reshape(self.batch, *self.module.weight.shape)  # (B, d_out, d_in)
@@ -99,7 +108,7 @@ class LinearGradients(LayerGradients):
         return out
 
     def norms_sq(self):
-        a, g = self._parts()
+        a, g = self._parts
         total = torch.zeros(self.batch, dtype=g.dtype, device=g.device)
         if "bias" in self.names:
             total = total + g.sum(1).pow(2).sum(1)
@@ -108,7 +117,7 @@ class LinearGradients(LayerGradients):
         return total + ops.linear_weight_norms_sq(a, g)  # outer product, ghost norm or materialised
 
     def weighted_sum(self, weights):
-        a, g = self._parts()
+        a, g = self._parts
         out = {}
         if "weight" in self.names:
             out["weight"] = ops.linear_weight_weighted_sum(a, g, weights).reshape(self.module.weight.shape)
@@ -137,13 +146,7 @@ class ConvGradients(LinearGradients):
 class GroupedConvGradients(LayerGradients):
     """A convolution's per-sample weight gradients as one grouped convolution backward:
     the batch folded into the channels and the groups (B·C channels, B·g groups), only the
-    weight's gradient asked for (torch.func's vmap does the same); made once."""
-
-    def per_sample(self):
-        grads = self.__dict__.get("_cached")
-        if grads is None:
-            grads = self._cached = self._per_sample()
-        return grads
+    weight's gradient asked for (torch.func's vmap does the same)."""
 
     def _per_sample(self):
         conv, x, g = self.module, self.args[0].to(self.grad_output.dtype), self.grad_output
@@ -158,37 +161,28 @@ class GroupedConvGradients(LayerGradients):
 
 
 class EmbeddingGradients(LayerGradients):
-    def _parts(self):
+    def _tokens(self):
         ids = self.args[0].reshape(self.batch, -1)
-        g = self.grad_output.reshape(self.batch, ids.shape[1], -1)
-        keep = None if self.module.padding_idx is None else ids != self.module.padding_idx
-        return ids, g, keep
+        return ids, self.grad_output.reshape(self.batch, ids.shape[1], -1)
 
-    def _keyed_rows(self):
-        """Sample b's gradient rows: (row sums (n, D), their sample (n,), their id (n,))."""
-        ids, g, keep = self._parts()
-        vocabulary = self.module.num_embeddings
-        samples = torch.arange(self.batch, device=ids.device)[:, None].expand_as(ids)
-        keys, rows = (samples * vocabulary + ids).reshape(-1), g.reshape(-1, g.shape[-1])
+    def _per_sample(self):
+        """The dense (B, V, D) gradients (only for a table a layer shares): each token's
+        row added at its (sample, id) key."""
+        ids, g = self._tokens()
+        module = self.module
+        keys, keep = ops.token_keys(ids, module.num_embeddings, module.padding_idx)
+        rows = g.reshape(-1, g.shape[-1])
         if keep is not None:
-            keys, rows = keys[keep.reshape(-1)], rows[keep.reshape(-1)]
-        unique, inverse = torch.unique(keys, return_inverse=True)
-        sums = rows.new_zeros(unique.shape[0], rows.shape[1]).index_add_(0, inverse, rows)
-        return sums, unique // vocabulary, unique % vocabulary
-
-    def per_sample(self):
-        sums, sample, row = self._keyed_rows()
-        weight = self.module.weight
-        out = sums.new_zeros(self.batch, *weight.shape)
-        out[sample, row] = sums
-        return {"weight": out}
+            keys, rows = keys[keep], rows[keep]
+        out = rows.new_zeros(self.batch * module.num_embeddings, rows.shape[1]).index_add_(0, keys, rows)
+        return {"weight": out.view(self.batch, *module.weight.shape)}
 
     def norms_sq(self):
-        ids, g, _ = self._parts()
+        ids, g = self._tokens()
         return ops.embedding_norms_sq(ids, g, self.module.num_embeddings, self.module.padding_idx)
 
     def weighted_sum(self, weights):
-        ids, g, _ = self._parts()
+        ids, g = self._tokens()
         module = self.module
         return {"weight": ops.embedding_weighted_sum(ids, g, weights, module.num_embeddings, module.padding_idx)}
 
@@ -197,7 +191,7 @@ class NormAffineGradients(LayerGradients):
     """LayerNorm and GroupNorm: weight_b = Σ g ⊙ x̂, bias_b = Σ g over the positions each
     affine parameter applies to (x̂ the normalised input, recomputed)."""
 
-    def per_sample(self):
+    def _per_sample(self):
         x, g = self.args[0].to(self.grad_output.dtype), self.grad_output
         module = self.module
         # the normalised input: the layer's own kernel without its affine parameters (the
@@ -217,14 +211,8 @@ class NormAffineGradients(LayerGradients):
 
 
 class MaterializedGradients(LayerGradients):
-    """Any layer: each sample's gradient as functx's vmap of the layer's vjp (the layer
-    called on one sample at a time, as a batch of one); made once, for the norms and the sum."""
-
-    def per_sample(self):
-        grads = self.__dict__.get("_cached")
-        if grads is None:
-            grads = self._cached = self._per_sample()
-        return grads
+    """Any layer: each sample's gradient as functx's vmap of the gradient of ⟨output, output
+    gradient⟩, the layer called on one sample at a time (as a batch of one)."""
 
     def _per_sample(self):
         from ..ad import grad
