@@ -35,6 +35,10 @@ Semantics, as jax.jit's where they can be:
   equals eager's. Once: a second backward through the jitted function's backward raises
   torch's "does not currently support double backward". Put the higher-order transform
   inside the jitted function instead (`jit(hessian(f))`, `jit(grad(grad(f)))`).
+- **With inductor**, functx's graph rewrites run first among inductor's post-grad passes
+  (graph_passes.py: a product with per-element copies of one shared weight, which vmap's
+  `grad` makes of an unbatched input, becomes a product with that weight); a
+  `post_grad_custom_pre_pass` given in `options` runs after them.
 
 Debugging: `FUNCTX_JIT_DEBUG=1` in the environment (or `functx.jit(..., debug=True)`)
 prints each trace's cause, time and the backend's compile time.
@@ -129,10 +133,23 @@ def _resolve_backend(backend, mode, options, dynamic):
 
         return lookup_backend("aot_eager")
     if backend == "inductor":
-        return torch._TorchCompileInductorWrapper(mode, options, dynamic)  # unknown options raise here
+        return torch._TorchCompileInductorWrapper(mode, _with_graph_passes(options), dynamic)  # unknown options raise here
     if isinstance(backend, str) or callable(backend):
         return torch._TorchCompileWrapper(backend, mode, options, dynamic)
     raise TypeError(f"functx.jit: backend must be None, a backend name or a callable, got {backend!r}")
+
+
+def _with_graph_passes(options):
+    """Inductor's options with functx's rewrites of the traced graph first in its post-grad
+    passes (graph_passes.py: products with batch copies of a shared weight made shared); a
+    pass the caller set there runs after them."""
+    from . import graph_passes
+
+    if not graph_passes.ENABLED:
+        return options
+    options = dict(options or {})
+    options["post_grad_custom_pre_pass"] = graph_passes.SharedWeights(then=options.get("post_grad_custom_pre_pass"))
+    return options
 
 
 def _own_frame(target, name):
