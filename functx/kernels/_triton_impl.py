@@ -36,3 +36,50 @@ def _ghost_norms_kernel(
         if col_block > row_block:
             total = total * 2
         tl.atomic_add(out_ptr + b, total)
+
+
+@triton.jit
+def _layer_norm_affine_kernel(
+    x_ptr, g_ptr, weight_ptr, bias_ptr, rows, width, eps,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """One (sample, row block): each row's mean and variance, x̂, then Σ g ⊙ x̂ and Σ g over
+    the block's rows, added into the sample's (width,) sums. x, g: contiguous (B, rows, width)."""
+    b = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    mask = (t[:, None] < rows) & (d[None, :] < width)
+    offsets = b * rows * width + t[:, None] * width + d[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    mean = tl.sum(x, axis=1) / width
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / width + eps)
+    weight = tl.sum(g * centred * rstd[:, None], axis=0)
+    bias = tl.sum(g, axis=0)
+    tl.atomic_add(weight_ptr + b * width + d, weight, mask=d < width)
+    tl.atomic_add(bias_ptr + b * width + d, bias, mask=d < width)
+
+
+@triton.jit
+def _embedding_norms_kernel(
+    ids_ptr, order_ptr, g_ptr, out_ptr, steps, dim, padding_idx, g_sb, g_st, g_sd,
+    BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """One (sample, feature block): walk the sample's tokens sorted by id, summing each id's
+    rows; at the end of an id's run add the sum's squared norm (over this block of features:
+    the squared norm is a sum over features, so blocks add up). Padding tokens add nothing."""
+    b = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    run = tl.zeros((BLOCK_D,), dtype=ACC)
+    total = tl.sum(run, axis=0)
+    for t in range(0, steps):
+        token = tl.load(ids_ptr + b * steps + t)
+        following = tl.load(ids_ptr + b * steps + tl.minimum(t + 1, steps - 1))
+        source = tl.load(order_ptr + b * steps + t)
+        row = tl.load(g_ptr + b * g_sb + source * g_st + d * g_sd, mask=d < dim, other=0.0).to(ACC)
+        run += tl.where(token != padding_idx, row, 0.0)
+        last = (token != following) | (t == steps - 1)
+        total += tl.where(last, tl.sum(run * run, axis=0), 0.0)
+        run = tl.where(last, 0.0, run)
+    tl.atomic_add(out_ptr + b, total)

@@ -14,6 +14,11 @@ dimension into the sample dimension (samples are independent), the sums run per 
     embedding_weighted_sum(ids, g, w, V, padding_idx)  -> (V, D)
     conv_per_sample_weight_grads(x, g, weight_shape, stride, padding, dilation, groups)
                                                  -> (B, *weight_shape)
+    layer_norm_affine_grads(x, g, normalized_ndim, eps)
+                                                 (B, *, *N), same -> (B, *N), (B, *N): each
+                                                 sample's LayerNorm weight and bias gradients
+    group_norm_affine_grads(x, g, num_groups, eps)
+                                                 (B, C, *s), same -> (B, C), (B, C): GroupNorm's
 
     >>> import torch, functx.kernels.ops as ops
     >>> a, g = torch.randn(4, 1, 3), torch.randn(4, 1, 2)
@@ -101,6 +106,11 @@ def token_keys(ids: Tensor, num_embeddings: int, padding_idx: int | None):
 
 @torch.library.custom_op("functx::embedding_norms_sq", mutates_args=())
 def embedding_norms_sq(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None) -> Tensor:
+    return _embedding_norms_sq(ids, g, num_embeddings, padding_idx)
+
+
+def _embedding_norms_sq(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None) -> Tensor:
+    """Sums per (sample, id) key by unique + index_add, then their squared norms per sample."""
     keys, keep = token_keys(ids, num_embeddings, padding_idx)
     rows = g.reshape(-1, g.shape[-1])
     if keep is not None:
@@ -113,6 +123,17 @@ def embedding_norms_sq(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx:
 @embedding_norms_sq.register_fake
 def _(ids, g, num_embeddings, padding_idx):
     return g.new_empty(ids.shape[0])
+
+
+def embedding_norms_sq_cuda(ids: Tensor, g: Tensor, num_embeddings: int, padding_idx: int | None) -> Tensor:
+    """The CUDA kernel: Triton's walk over each sample's tokens sorted by id where triton is
+    installed; the torch code (unique + index_add) otherwise."""
+    if triton_kernels.available:
+        return triton_kernels.embedding_norms_sq(ids, g, num_embeddings, padding_idx)
+    return _embedding_norms_sq(ids, g, num_embeddings, padding_idx)
+
+
+embedding_norms_sq.register_kernel("cuda")(embedding_norms_sq_cuda)
 
 
 @torch.library.custom_op("functx::embedding_weighted_sum", mutates_args=())
@@ -153,6 +174,54 @@ def _(x, g, weight_shape, stride, padding, dilation, groups):
     return g.new_empty(x.shape[0], *weight_shape)
 
 
+@torch.library.custom_op("functx::layer_norm_affine_grads", mutates_args=())
+def layer_norm_affine_grads(x: Tensor, g: Tensor, normalized_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
+    return _layer_norm_affine_grads(x, g, normalized_ndim, eps)
+
+
+def _layer_norm_affine_grads(x: Tensor, g: Tensor, normalized_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Per sample: Σ g ⊙ x̂ and Σ g over the positions between the sample dim and the
+    normalized dims (x̂ the normalised input, recomputed by the layer's own kernel without
+    its affine parameters: the mean and variance written out took 10x longer)."""
+    normalized = torch.nn.functional.layer_norm(x.to(g.dtype), x.shape[x.dim() - normalized_ndim :], eps=eps)
+    return _affine_sums(normalized, g, tuple(range(1, x.dim() - normalized_ndim)))
+
+
+@layer_norm_affine_grads.register_fake
+def _(x, g, normalized_ndim, eps):
+    shape = (x.shape[0], *x.shape[x.dim() - normalized_ndim :])
+    return g.new_empty(shape), g.new_empty(shape)
+
+
+@torch.library.custom_op("functx::group_norm_affine_grads", mutates_args=())
+def group_norm_affine_grads(x: Tensor, g: Tensor, num_groups: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Per sample and channel: Σ g ⊙ x̂ and Σ g over the spatial positions (x̂ normalised per
+    (sample, group))."""
+    normalized = torch.nn.functional.group_norm(x.to(g.dtype), num_groups, eps=eps)
+    return _affine_sums(normalized, g, tuple(range(2, x.dim())))
+
+
+@group_norm_affine_grads.register_fake
+def _(x, g, num_groups, eps):
+    return g.new_empty(x.shape[:2]), g.new_empty(x.shape[:2])
+
+
+def _affine_sums(normalized: Tensor, g: Tensor, positions: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    weight = g * normalized
+    return (weight.sum(positions), g.sum(positions)) if positions else (weight, g.clone())
+
+
+def layer_norm_affine_grads_cuda(x: Tensor, g: Tensor, normalized_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
+    """The CUDA kernel: Triton's one pass (statistics, x̂ and both sums per row block, never
+    x̂ in memory) where triton is installed and a row fits one block; the torch code otherwise."""
+    if triton_kernels.available and triton_kernels.fits_one_block(x, normalized_ndim):
+        return triton_kernels.layer_norm_affine_grads(x, g, normalized_ndim, eps)
+    return _layer_norm_affine_grads(x, g, normalized_ndim, eps)
+
+
+layer_norm_affine_grads.register_kernel("cuda")(layer_norm_affine_grads_cuda)
+
+
 # -- functx batching rules --------------------------------------------------------------------
 def _batched(x, dim, size):
     """x with its vmap dimension first (expanded where it has none)."""
@@ -167,6 +236,18 @@ def _norms_rule(op):
         first, g = _batched(first, in_dims[0], size), _batched(g, in_dims[1], size)
         out = op(first.flatten(0, 1), g.flatten(0, 1), *rest)
         return out.unflatten(0, (size, -1)), 0
+
+    return rule
+
+
+def _per_sample_outputs_rule(op):
+    """Per-sample results (a tuple of (B, ...) tensors): a vmap dimension joins the samples."""
+
+    def rule(info, in_dims, x, g, *rest):
+        size = info.batch_size
+        x, g = _batched(x, in_dims[0], size), _batched(g, in_dims[1], size)
+        outs = op(x.flatten(0, 1), g.flatten(0, 1), *rest)
+        return tuple(o.unflatten(0, (size, -1)) for o in outs), (0,) * len(outs)
 
     return rule
 
@@ -187,3 +268,5 @@ register_vmap(embedding_norms_sq, _norms_rule(embedding_norms_sq))
 register_vmap(conv_per_sample_weight_grads, _norms_rule(conv_per_sample_weight_grads))  # per sample too
 register_vmap(linear_weight_weighted_sum, _per_element_rule(linear_weight_weighted_sum, 3))
 register_vmap(embedding_weighted_sum, _per_element_rule(embedding_weighted_sum, 3))
+register_vmap(layer_norm_affine_grads, _per_sample_outputs_rule(layer_norm_affine_grads))
+register_vmap(group_norm_affine_grads, _per_sample_outputs_rule(group_norm_affine_grads))

@@ -192,22 +192,13 @@ class NormAffineGradients(LayerGradients):
     affine parameter applies to (x̂ the normalised input, recomputed)."""
 
     def _per_sample(self):
-        x, g = self.args[0].to(self.grad_output.dtype), self.grad_output
-        module = self.module
-        # the normalised input: the layer's own kernel without its affine parameters (the
-        # mean/var written out took 10x longer on a transformer's (64, 128, 128))
+        x, g, module = self.args[0], self.grad_output, self.module
         if isinstance(module, nn.LayerNorm):
-            normalized = torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
-            summed = tuple(range(1, x.dim() - len(module.normalized_shape)))  # positions per sample
+            weight, bias = ops.layer_norm_affine_grads(x, g, len(module.normalized_shape), module.eps)
         else:  # GroupNorm: (B, C, *s), statistics per (sample, group)
-            normalized = torch.nn.functional.group_norm(x, module.num_groups, eps=module.eps)
-            summed = tuple(range(2, x.dim()))  # the spatial positions of each channel
-        out = {}
-        if "weight" in self.names:
-            out["weight"] = (g * normalized).sum(summed) if summed else g * normalized
-        if "bias" in self.names:
-            out["bias"] = g.sum(summed) if summed else g
-        return out
+            weight, bias = ops.group_norm_affine_grads(x, g, module.num_groups, module.eps)
+        out = {"weight": weight, "bias": bias}
+        return {name: out[name] for name in self.names}
 
 
 class MaterializedGradients(LayerGradients):

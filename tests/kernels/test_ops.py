@@ -77,6 +77,43 @@ def test_conv_op(dtype, spatial, groups, stride, padding, dilation):
     torch.testing.assert_close(folded, expected[None].expand(2, *expected.shape))
 
 
+def _per_sample_affine_reference(layer, x, g):
+    """Each sample's (weight, bias) gradient by a torch.autograd loop."""
+    grads = [torch.autograd.grad(layer(x[b : b + 1]), (layer.weight, layer.bias), g[b : b + 1]) for b in range(x.shape[0])]
+    return tuple(torch.stack(parts) for parts in zip(*grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "shape, normalized_ndim", [((3, 5, 4), 1), ((2, 3, 4, 5), 2), ((3, 6), 1), ((1, 2, 7), 1)], ids=["seq", "2d", "flat", "one"]
+)
+def test_layer_norm_affine_op(dtype, shape, normalized_ndim):
+    layer = torch.nn.LayerNorm(shape[len(shape) - normalized_ndim :], eps=1e-3).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    x, g = torch.randn(*shape, dtype=dtype), torch.randn(*shape, dtype=dtype)
+    got = ops.layer_norm_affine_grads(x, g, normalized_ndim, 1e-3)
+    torch.testing.assert_close(got, _per_sample_affine_reference(layer, x, g))
+    torch.library.opcheck(ops.layer_norm_affine_grads, (x, g, normalized_ndim, 1e-3))
+    stacked = functx.vmap(lambda a, b: ops.layer_norm_affine_grads(a, b, normalized_ndim, 1e-3))(torch.stack([x, 2 * x]), torch.stack([g, -g]))
+    for i, (xi, gi) in enumerate(((x, g), (2 * x, -g))):
+        torch.testing.assert_close(tuple(o[i] for o in stacked), ops.layer_norm_affine_grads(xi, gi, normalized_ndim, 1e-3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape, groups", [((3, 4, 5, 5), 2), ((2, 6, 7), 3), ((3, 4), 2), ((1, 2, 3), 1)])
+def test_group_norm_affine_op(dtype, shape, groups):
+    layer = torch.nn.GroupNorm(groups, shape[1], eps=1e-4).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    x, g = torch.randn(*shape, dtype=dtype), torch.randn(*shape, dtype=dtype)
+    got = ops.group_norm_affine_grads(x, g, groups, 1e-4)
+    torch.testing.assert_close(got, _per_sample_affine_reference(layer, x, g))
+    torch.library.opcheck(ops.group_norm_affine_grads, (x, g, groups, 1e-4))
+    stacked = functx.vmap(lambda a, b: ops.group_norm_affine_grads(a, b, groups, 1e-4), in_dims=(None, 0))(x, torch.stack([g, 3 * g]))
+    torch.testing.assert_close(tuple(o[1] for o in stacked), tuple(3 * o for o in got))
+
+
 def test_batching_rules():
     """vmap over a leading dim of models (e.g. an ensemble's layers): the norms fold it into
     the samples, the sums run per element; both against a loop, shared inputs included."""
@@ -105,3 +142,6 @@ def test_fake_kernels_give_the_shapes():
         ids, ge = torch.empty(3, 6, dtype=torch.long), torch.empty(3, 6, 4)
         assert ops.embedding_norms_sq(ids, ge, 7, None).shape == (3,)
         assert ops.embedding_weighted_sum(ids, ge, torch.empty(3), 7, 0).shape == (7, 4)
+        x = torch.empty(3, 5, 2, 4)
+        assert [o.shape for o in ops.layer_norm_affine_grads(x, x, 2, 1e-5)] == [(3, 2, 4)] * 2
+        assert [o.shape for o in ops.group_norm_affine_grads(x, x, 1, 1e-5)] == [(3, 5)] * 2
