@@ -77,6 +77,20 @@ def test_conv_op(dtype, spatial, groups, stride, padding, dilation):
     torch.testing.assert_close(folded, expected[None].expand(2, *expected.shape))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spatial, stride, padding, dilation", [(1, 1, 0, 1), (2, 2, 1, 1), (2, 1, 2, 2), (1, 2, 1, 2)])
+def test_conv_op_takes_the_unfolded_path_for_wide_inputs(dtype, spatial, stride, padding, dilation):
+    """Many input channels on a small map: the operator unfolds (cheaper there); same values."""
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d)[spatial - 1](24, 5, 3, stride, padding, dilation, bias=False).to(dtype)
+    x = torch.randn(3, 24, *(3,) * spatial, dtype=dtype)
+    g = torch.randn_like(conv(x))
+    assert ops._unfolding_pays(x, g, list(conv.weight.shape), 1)
+    expected = torch.stack([torch.autograd.grad(conv(x[b : b + 1]), conv.weight, g[b : b + 1])[0] for b in range(3)])
+    settings = ([*conv.weight.shape], [stride] * spatial, [padding] * spatial, [dilation] * spatial, 1)
+    torch.testing.assert_close(ops.conv_per_sample_weight_grads(x, g, *settings), expected)
+    torch.library.opcheck(ops.conv_per_sample_weight_grads, (x, g, *settings))
+
+
 def _per_sample_affine_reference(layer, x, g):
     """Each sample's (weight, bias) gradient by a torch.autograd loop."""
     grads = [torch.autograd.grad(layer(x[b : b + 1]), (layer.weight, layer.bias), g[b : b + 1]) for b in range(x.shape[0])]
