@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..library import register_vmap
+from ..vmap.rules.nn_conv import unfolded_weight_grads, unfolding_pays
 from . import triton_kernels
 
 # Working memory per block of the ghost norm's T×T products and per chunk of materialised
@@ -174,23 +175,12 @@ def conv_per_sample_weight_grads(
 
 
 def _unfolding_pays(x: Tensor, g: Tensor, weight_shape, groups: int) -> bool:
-    """On CPU, oneDNN's grouped convolution backward slows down with wide groups: measured at
-    1 thread (k = 3 and 1), unfold + bmm took 0.38-0.9x its time where the input channels are
-    at least twice the output positions (C=128-512 on 4x4-14x14 maps), 1.07-4.6x elsewhere
-    (the suite's 28x28 CNN: 1.0-2.4x)."""
-    positions = g[0, 0].numel() if g.shape[0] and g.shape[1] else 0
-    return x.device.type == "cpu" and groups == 1 and x.dim() in (3, 4) and x.shape[1] >= 2 * max(positions, 1)
+    """vmap's measured rule (vmap/rules/nn_conv.py), for samples without an N dim."""
+    return unfolding_pays(x.unsqueeze(1), g.unsqueeze(1), groups)
 
 
 def _unfolded_weight_grads(x, g, weight_shape, stride, padding, dilation):
-    if x.dim() == 3:  # a 1-d convolution as a 2-d one of height 1
-        x, g = x.unsqueeze(-2), g.unsqueeze(-2)
-        stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
-        kernel = (1, weight_shape[-1])
-    else:
-        kernel = tuple(weight_shape[-2:])
-    columns = torch.nn.functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
-    return torch.bmm(g.flatten(2), columns.mT).view(x.shape[0], *weight_shape)
+    return unfolded_weight_grads(x.unsqueeze(1), g.unsqueeze(1), weight_shape, stride, padding, dilation)
 
 
 @conv_per_sample_weight_grads.register_fake

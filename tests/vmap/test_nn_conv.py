@@ -8,6 +8,7 @@ per-sample loop ran.
 
 import functools
 import itertools
+import sys
 
 import pytest
 import torch
@@ -200,6 +201,35 @@ def test_per_sample_weight_gradients_match_autograd():
         wi, bi = w.clone().requires_grad_(), b.clone().requires_grad_()
         expected = torch.autograd.grad(F.conv2d(x[i], wi, bi, padding=1, groups=2).pow(2).sum(), (wi, bi))
         torch.testing.assert_close((grad_w[i], grad_b[i]), expected)
+
+
+@pytest.mark.parametrize("spatial, n, w_batched", [(2, 1, False), (2, 3, False), (1, 2, False), (2, 2, True)])
+def test_per_sample_weight_gradients_of_wide_inputs_unfold(spatial, n, w_batched, monkeypatch):
+    """Many input channels on a small map: the rule takes unfold + one batched GEMM (cheaper
+    there, vmap/rules/nn_conv.py's `unfolding_pays`) for the per-sample weight gradients; same
+    values as torch.autograd per sample, with an N dim per sample and a batched weight too."""
+    conv_module = sys.modules["functx.vmap.rules.nn_conv"]
+    calls = []
+    unfolded = conv_module.unfolded_weight_grads
+    monkeypatch.setattr(conv_module, "unfolded_weight_grads", lambda *a: calls.append(a) or unfolded(*a))
+    conv = (F.conv1d, F.conv2d)[spatial - 1]
+    x = torch.randn(B, n, 64, *(3,) * spatial, dtype=f64)
+    w, b = torch.randn(B if w_batched else 1, 5, 64, *(3,) * spatial, dtype=f64), torch.randn(5, dtype=f64)
+    w = w if w_batched else w[0]
+
+    def grads(x, w):
+        out = conv(x, w, b, padding=2, dilation=2)
+        return aten.convolution_backward.default(
+            torch.cos(out), x, w, [5], [1] * spatial, [2] * spatial, [2] * spatial, False, [0] * spatial, 1, [True, True, True]
+        )
+
+    with functx.vmap_fallback("error"):
+        got = vmap(grads, in_dims=(0, 0 if w_batched else None))(x, w)
+    assert len(calls) == 1
+    for i in range(B):
+        xi, wi, bi = x[i].clone().requires_grad_(), (w[i] if w_batched else w).clone().requires_grad_(), b.clone().requires_grad_()
+        expected = torch.autograd.grad(conv(xi, wi, bi, padding=2, dilation=2).sin().sum(), (xi, wi, bi))
+        torch.testing.assert_close(tuple(r[i] for r in got), expected)
 
 
 def test_nested_per_sample_gradients_of_an_ensemble():
