@@ -51,7 +51,19 @@ def _overloads(op):
 
 def register_vmap(op, func=None):
     """Register `func(info, in_dims, *args, **kwargs) -> (output, out_dims)` as functx.vmap's
-    batching rule for `op` (usable as a decorator). See the module docstring."""
+    batching rule for `op` (usable as a decorator). See the module docstring.
+
+    Example:
+        >>> import torch, functx
+        >>> @torch.library.custom_op("functx_doc::double_it", mutates_args=())
+        ... def double_it(x: torch.Tensor) -> torch.Tensor:
+        ...     return 2 * x
+        >>> def double_it_vmap(info, in_dims, x):
+        ...     return double_it(x), in_dims[0]  # elementwise: the batch dim stays where it is
+        >>> _ = functx.library.register_vmap(double_it, double_it_vmap)
+        >>> functx.vmap(double_it, in_dims=1)(torch.ones(2, 3)).shape
+        torch.Size([3, 2])
+    """
 
     def register(func):
         for overload in _overloads(op):

@@ -50,7 +50,22 @@ class LayerGradients:
     """Per-sample gradients of `module`'s trainable parameters (its submodules' too) from
     one call: its positional inputs `args` (batch first), keyword inputs `kwargs` (the same
     for every sample), and `grad_output`, the gradient of the summed per-sample losses with
-    respect to its output (a tuple, with None for non-tensor items, where the output is)."""
+    respect to its output (a tuple, with None for non-tensor items, where the output is).
+
+    Example:
+        >>> import torch
+        >>> from functx.kernels import LayerGradients, layer_gradients
+        >>> a, g = torch.randn(4, 3), torch.randn(4, 2)  # the layer's input, its output's gradient
+        >>> grads = layer_gradients(torch.nn.Linear(3, 2), (a,), g)
+        >>> isinstance(grads, LayerGradients)
+        True
+        >>> per_sample = grads.per_sample()
+        >>> per_sample["weight"].shape, per_sample["bias"].shape
+        (torch.Size([4, 2, 3]), torch.Size([4, 2]))
+        >>> full = sum(p.flatten(1).pow(2).sum(1) for p in per_sample.values())
+        >>> torch.allclose(grads.norms_sq(), full)
+        True
+    """
 
     def __init__(self, module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None):
         self.module = module
@@ -243,7 +258,19 @@ def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | 
     """The per-sample gradients of `module`'s trainable parameters in one call (positional
     inputs `args`, batch first; keyword inputs `kwargs`, shared; `grad_output` the gradient
     of the summed per-sample losses with respect to the call's output), by the layer's
-    kernel, or materialised for a layer without one."""
+    kernel, or materialised for a layer without one.
+
+    Example:
+        >>> import torch
+        >>> from functx.kernels import layer_gradients
+        >>> a, g = torch.randn(5, 3), torch.randn(5, 2)  # the layer's input, its output's gradient
+        >>> grads = layer_gradients(torch.nn.Linear(3, 2), (a,), g)
+        >>> grads.norms_sq().shape  # each sample's squared gradient norm
+        torch.Size([5])
+        >>> total = grads.weighted_sum(torch.ones(5))  # the sum of the per-sample gradients
+        >>> torch.allclose(total["weight"], g.T @ a), torch.allclose(total["bias"], g.sum(0))
+        (True, True)
+    """
     plain = isinstance(grad_output, Tensor) and not kwargs and len(args) == 1
     if plain and type(module) is nn.Linear:
         return LinearGradients(module, args, grad_output)

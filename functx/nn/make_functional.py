@@ -28,7 +28,16 @@ __all__ = [
 class FunctionalModule(nn.Module):
     """What `make_functional` returns: `fmodel(params, *args, **kwargs)` runs the
     model's forward with `params` (a sequence, in the order `make_functional` returned
-    them) as its parameters."""
+    them) as its parameters.
+
+    Example:
+        >>> import torch, functx
+        >>> fmodel, params = functx.make_functional(torch.nn.Linear(3, 2))
+        >>> isinstance(fmodel, functx.nn.FunctionalModule), [p.shape for p in params]
+        (True, [torch.Size([2, 3]), torch.Size([2])])
+        >>> fmodel([torch.zeros(2, 3), torch.ones(2)], torch.randn(1, 3))
+        tensor([[1., 1.]])
+    """
 
     def __init__(self, stateless_model: nn.Module, param_names: tuple[str, ...]) -> None:
         super().__init__()
@@ -41,7 +50,17 @@ class FunctionalModule(nn.Module):
 
 class FunctionalModuleWithBuffers(nn.Module):
     """What `make_functional_with_buffers` returns:
-    `fmodel(params, buffers, *args, **kwargs)`."""
+    `fmodel(params, buffers, *args, **kwargs)`.
+
+    Example:
+        >>> import torch, functx
+        >>> fmodel, params, buffers = functx.make_functional_with_buffers(torch.nn.BatchNorm1d(2).eval())
+        >>> isinstance(fmodel, functx.nn.FunctionalModuleWithBuffers), len(params), len(buffers)
+        (True, 2, 3)
+        >>> stats = [torch.tensor([1.0, 2.0]), torch.tensor([4.0, 4.0]), buffers[2]]  # mean, var, count
+        >>> torch.allclose(fmodel(params, stats, torch.tensor([[3.0, 4.0]])), torch.ones(1, 2))
+        True
+    """
 
     def __init__(self, stateless_model: nn.Module, param_names: tuple[str, ...], buffer_names: tuple[str, ...]) -> None:
         super().__init__()

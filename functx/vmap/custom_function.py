@@ -51,7 +51,28 @@ _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/e
 
 
 class VmapInfo(NamedTuple):
-    """What an autograd.Function's `vmap` staticmethod is told about the vmap."""
+    """What an autograd.Function's `vmap` staticmethod is told about the vmap.
+
+    Example:
+        >>> import torch, functx
+        >>> class Triple(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(x):
+        ...         return 3 * x
+        ...     @staticmethod
+        ...     def setup_context(ctx, inputs, output):
+        ...         pass
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         return 3 * grad
+        ...     @staticmethod
+        ...     def vmap(info, in_dims, x):
+        ...         print(info)
+        ...         return 3 * x, in_dims[0]
+        >>> functx.vmap(Triple.apply, randomness="same")(torch.ones(4, 2)).shape
+        VmapInfo(batch_size=4, randomness='same')
+        torch.Size([4, 2])
+    """
 
     batch_size: int
     randomness: str
