@@ -20,8 +20,11 @@ Semantics, as jax.jit's where they can be:
 - **Python control flow** on Python values (shapes, static arguments, ints) is fixed at
   trace time and guarded: another value retraces. On tensor *values* (`if x.sum() > 0`)
   jax.jit refuses; here the graph is split there and the branch runs eagerly, so results
-  stay right (slower). Side effects in Python (prints, appends) happen when tracing, not
-  on every call.
+  stay right (slower). Python side effects are not frozen into the graph as jax.jit
+  freezes them: a `print` splits the graph and runs on every call (the traced parts
+  around it replayed); mutating Python state the function reads (appending to a captured
+  list) changes what dynamo guards on, so every call traces again (the `RetraceWarning`
+  says so): keep such state outside the jitted function.
 - **Randomness.** Random ops draw fresh numbers on every call; `vmap`'s randomness modes
   hold inside (`"different"`: one draw per element).
 - **In-place writes** to inputs (and to module buffers passed through `functional_call`,
