@@ -27,12 +27,13 @@ _watch_for_dynamo()  # torch.compile support, installed when torch._dynamo is im
 
 __version__ = "0.1.0"
 
-__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functionalize", "rearrange", "jit", "dp", "kernels", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functionalize", "rearrange", "jit", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap"]
 
 
 def __getattr__(name):
-    """`functx.dp` and `functx.kernels` are imported on first use (they register operators)."""
-    if name in ("dp", "kernels"):
+    """`functx.dp`, `functx.kernels` and `functx.distributed` are imported on first use (they
+    register operators and batching rules)."""
+    if name in ("dp", "kernels", "distributed"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -138,14 +138,22 @@ def clipped_grad(
     # in the parameters' order (the noise is drawn in it); zeros where the loss does not reach
     grads = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in parameters.items() if p.requires_grad}
     if noise_multiplier > 0:
-        for name, g in grads.items():
-            if not g.is_contiguous():
-                g = grads[name] = g.contiguous()
-            # drawn in chunks: an embedding's (V, D) noise at once would double its memory
-            for chunk in g.view(-1).split(NOISE_CHUNK):
-                noise = torch.randn(chunk.shape, generator=generator, dtype=g.dtype, device=g.device)
-                chunk.add_(noise, alpha=noise_multiplier * max_norm)
+        _add_noise(grads, noise_multiplier * max_norm, generator)
     return grads, norms.detach()
+
+
+def _add_noise(grads: dict[str, Tensor], std: float, generator: torch.Generator | None) -> None:
+    """Add N(0, std²) noise to every tensor of `grads`, in place and in the dict's order (the
+    order fixes which numbers of `generator` each tensor gets: functx.distributed draws the
+    same noise as `clipped_grad` by calling this). Non-contiguous entries are replaced by
+    contiguous copies first."""
+    for name, g in grads.items():
+        if not g.is_contiguous():
+            g = grads[name] = g.contiguous()
+        # drawn in chunks: an embedding's (V, D) noise at once would double its memory
+        for chunk in g.view(-1).split(NOISE_CHUNK):
+            noise = torch.randn(chunk.shape, generator=generator, dtype=g.dtype, device=g.device)
+            chunk.add_(noise, alpha=std)
 
 
 def _member(module: nn.Module, name: str) -> Tensor:

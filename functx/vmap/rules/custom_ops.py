@@ -10,6 +10,8 @@ autograd.Function's vmap staticmethod gets them: custom_function.py). They come 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ...core.rules import decomposition_for
@@ -49,12 +51,19 @@ def _is_user_op(op) -> bool:
     )
 
 
+# Namespaces whose rules live in a functx module imported on first use (it would cost every
+# `import functx` an import of torch.distributed): the module registers them on import.
+_RULES_IMPORTED_ON_USE = {"_c10d_functional": "functx.distributed", "_c10d_functional_autograd": "functx.distributed"}
+
+
 def _user_op_rule(op):
     """The user's rule for `op`, looked up again on every call until there is one (rules
     may be registered after the op's first vmap), else the per-sample loop."""
     loop = loop_fallback(op)
 
     def rule(interp, *args, **kwargs):
+        if op not in REGISTERED and op.namespace in _RULES_IMPORTED_ON_USE:
+            importlib.import_module(_RULES_IMPORTED_ON_USE[op.namespace])
         func = REGISTERED.get(op) or _torch_registered_rule(op)
         if func is None:
             return loop(interp, *args, **kwargs)

@@ -1,0 +1,532 @@
+"""Multi-process training with `torch.distributed`: DP-SGD across ranks, ensembles sharded
+across ranks, and functx's batching rules for torch's functional collectives.
+
+Three parts, all built on an initialised process group (`torch.distributed.init_process_group`;
+`torchrun` sets the environment for it) and working with any backend ("gloo" on CPUs,
+"nccl" on GPUs: tensors on each rank's own device, `torch.cuda.set_device(local_rank)`):
+
+- **DP-SGD across ranks** (`clipped_grad`, `noised_sum`): every rank clips the per-sample
+  gradients of its own slice of the batch (`functx.dp.clipped_grad`'s kernels, or
+  `vmap(grad)` with `method="vmap"`), the clipped sums of all ranks are added by ONE
+  all-reduce (all gradients flattened into one buffer), and the Gaussian noise
+  N(0, (σ·C)²) is added once: the group's first rank draws it from its `generator` and adds
+  it to its own sums before the all-reduce. The result is the same tensor on every rank,
+  and equals `functx.dp.clipped_grad` of one process on the concatenated batch with the
+  same `generator` seed (up to the rounding of the summation order).
+- **Ensembles sharded across ranks** (`shard_ensemble_state`, `gather_predictions`): each
+  rank keeps a contiguous slice of the members of a stacked state (`stack_module_state`,
+  `functx.nn.vmap_init`) or of a `functx.nn.Ensemble`, trains it on its own, and the
+  members' predictions are gathered in member order.
+- **Batching rules for `torch.distributed._functional_collectives`**: code written for one
+  sample that calls `all_reduce`, `all_gather_tensor` / `all_gather_single`,
+  `reduce_scatter_tensor` / `reduce_scatter_single`, `all_to_all_single`, `broadcast`,
+  their coalesced forms and `wait_tensor` works under `functx.vmap`: each collective runs
+  ONCE on the physical (batched) tensor, with the batch dim moved where the collective
+  leaves it alone (all-reduce and broadcast are elementwise: anywhere; gathers, scatters
+  and all-to-all work on dim 0 of the sample: the batch goes to dim 1). Every rank must
+  call a collective with the same batch size, as it must call it with the same shapes
+  outside vmap. `functx.vmap` installs these rules the first time it meets one of these
+  ops (this module need not be imported for them). Gradients come from torch's own
+  autograd formulas for these ops (torch >= 2.13 registers them on the `_c10d_functional`
+  ops: all_reduce(sum) <-> all_reduce(sum), all_gather <-> reduce_scatter(sum)), which
+  functx.grad, vjp, jacrev, vmap(grad) and grad(vmap) use; as in torch, the gradient is
+  that of the sum of every rank's loss. Not covered: forward mode (jvp, jacfwd, hessian)
+  sees no tangent through a collective (torch registers no forward-mode formula for these
+  ops; torch.func gives zeros there too), and second derivatives under vmap
+  (vmap(grad(grad)), jacrev(jacrev)) come out zero: torch's double backward of these ops
+  is an old-style autograd.Function, which functx.vmap runs per sample and loses under an
+  outer grad level (a functx limitation); second derivatives outside vmap (grad(grad),
+  jacrev(grad)) are right.
+
+Under vmap, an `AsyncCollectiveTensor` (what the Python wrappers return, waiting on first
+use) is waited on at once. The in-place and `out=` forms (`all_reduce_`, `broadcast_`,
+`*_out`) and the point-to-point ops (`isend`, `irecv`, `batch_p2p_ops`) are refused under
+vmap with an error naming the out-of-place form: run once per sample, they would be read
+before the collective finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from .library import register_vmap
+
+if not dist.is_available():  # pragma: no cover - torch built without distributed support
+    raise ImportError(
+        "functx.distributed needs torch.distributed, which this build of torch does not have "
+        "(torch.distributed.is_available() is False); install a torch build with distributed support"
+    )
+
+import torch.distributed._functional_collectives as funcol  # noqa: E402  (registers the _c10d_functional ops)
+
+__all__ = ["clipped_grad", "noised_sum", "shard_ensemble_state", "gather_predictions"]
+
+
+# -- process groups ----------------------------------------------------------------------
+def _process_group(group, api: str):
+    """`group`, or the default group, checked: a clear error when there is none."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"functx.distributed.{api}: torch.distributed is not initialised. Call "
+            f"torch.distributed.init_process_group(backend='gloo') (CPU) or backend='nccl' (GPU) on every "
+            f"process first (under torchrun, init_process_group() reads the rank and world size from the "
+            f"environment); in a single process, use functx.dp.clipped_grad instead."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"functx.distributed.{api}: group must be a torch.distributed.ProcessGroup (e.g. from "
+            f"torch.distributed.new_group) or None for the default group, got {type(group).__name__}"
+        )
+    return group
+
+
+# -- DP-SGD ------------------------------------------------------------------------------
+def clipped_grad(
+    module: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets,
+    *,
+    max_norm: float,
+    noise_multiplier: float = 0.0,
+    generator: torch.Generator | None = None,
+    params: dict[str, Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+    method: str = "kernels",
+) -> tuple[dict[str, Tensor], Tensor]:
+    """The DP-SGD gradient of a batch split across the ranks of `group`: the clipped sums of
+    every rank's samples, added up, plus N(0, (σ·max_norm)²) noise drawn once; the same on
+    every rank.
+
+    Each rank passes its own slice of the batch (slices may differ in size). The result equals
+    `functx.dp.clipped_grad(module, loss_fn, all_inputs, all_targets, ...)` of one process on
+    the concatenation of the ranks' slices in rank order, with the same `generator` seed
+    (to the rounding of the summation order): each rank clips its samples with
+    `functx.dp.clipped_grad` (no noise), one all-reduce adds the sums (`noised_sum`: every
+    gradient in one buffer per dtype), and the noise is drawn by the group's first rank from
+    its `generator` (the other ranks' generators are not used) and added before the
+    all-reduce, so it is added once and every rank ends with the same gradient. Divide by
+    the global batch size yourself, as with `functx.dp.clipped_grad`.
+
+    Call it on every rank of `group`, with the same `max_norm`, `noise_multiplier`, `method`
+    and the same model (the same parameters on every rank: DP-SGD steps keep them so).
+
+    Args:
+        module, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, params: as
+            for `functx.dp.clipped_grad`, for this rank's slice of the batch.
+        group: the process group (default: the default group).
+        method: "kernels" (default): `functx.dp.clipped_grad`, which never materialises the
+            per-sample gradients (its per-layer kernels; layers it has none for go by `vmap`
+            of their own vjp). "vmap": per-sample gradients by `functx.vmap(functx.grad(...))`
+            of the module called on one sample at a time (a batch of one), clipped and summed:
+            for models `functx.dp.clipped_grad` refuses (a parameter used outside its
+            module's forward, a layer that does not keep the batch first). Both give the same
+            gradient.
+
+    Returns:
+        (grads, norms): parameter name -> the summed, clipped, noised gradient (the same on
+        every rank); and this rank's (B_local,) per-sample gradient norms before clipping
+        (not gathered: gather them with `torch.distributed.all_gather` if needed).
+
+    Raises:
+        RuntimeError: when torch.distributed is not initialised.
+
+    Example (a world of one process; under torchrun the same code runs on every rank):
+        >>> import torch, torch.distributed as dist, functx
+        >>> import torch.nn.functional as F
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> loss = lambda out, y: F.cross_entropy(out, y, reduction="none")
+        >>> grads, norms = functx.distributed.clipped_grad(model, loss, x, y, max_norm=1.0,
+        ...     noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+        >>> single, _ = functx.dp.clipped_grad(model, loss, x, y, max_norm=1.0,
+        ...     noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+        >>> all(torch.allclose(grads[n], single[n]) for n in single), norms.shape
+        (True, torch.Size([16]))
+        >>> dist.destroy_process_group()
+    """
+    group = _process_group(group, "clipped_grad")
+    if method == "kernels":
+        from . import dp
+
+        sums, norms = dp.clipped_grad(module, loss_fn, inputs, targets, max_norm=max_norm, params=params)
+    elif method == "vmap":
+        _check_clip_arguments(max_norm, noise_multiplier, "clipped_grad")
+        sums, norms = _vmap_clipped_sums(module, loss_fn, inputs, targets, max_norm, params)
+    else:
+        raise ValueError(f"functx.distributed.clipped_grad: method must be 'kernels' or 'vmap', got {method!r}")
+    grads = noised_sum(sums, max_norm=max_norm, noise_multiplier=noise_multiplier, generator=generator, group=group)
+    return grads, norms
+
+
+def noised_sum(
+    sums: dict[str, Tensor],
+    *,
+    max_norm: float,
+    noise_multiplier: float = 0.0,
+    generator: torch.Generator | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Tensor]:
+    """Σ over the ranks of `group` of each rank's clipped gradient sums, plus N(0, (σ·max_norm)²)
+    noise added once; the same on every rank.
+
+    The DP-SGD reduction for clipped sums made any way (e.g. per-sample gradients from
+    `functx.vmap(functx.grad(...))`, clipped and summed by your own code). All tensors of one
+    dtype and device go into one flat buffer and are added by ONE all-reduce. The group's
+    first rank draws the noise from `generator` (in the dict's order and the way
+    `functx.dp.clipped_grad` draws it, so the noise equals the one-process noise for the same
+    `generator` seed) and adds it to its own sums before the all-reduce. Only that rank's
+    `generator` (or, with None, its global generator) advances: pass a dedicated generator
+    if other code relies on the ranks' global generators staying in step.
+
+    Args:
+        sums: name -> this rank's clipped sum (the same names, shapes and dtypes on every rank).
+        max_norm: the clipping norm C; noise_multiplier: σ (0: no noise).
+        generator: for the noise (used on the group's first rank).
+        group: the process group (default: the default group).
+
+    Returns:
+        A new dict (the caller's tensors are not changed): name -> the total, in the order of
+        `sums`; the tensors are views of the reduced buffer.
+
+    Example (a world of one process):
+        >>> import torch, torch.distributed as dist, functx
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> total = functx.distributed.noised_sum({"w": torch.ones(2, 3)}, max_norm=1.0)
+        >>> total["w"].tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+        >>> dist.destroy_process_group()
+    """
+    group = _process_group(group, "noised_sum")
+    _check_clip_arguments(max_norm, noise_multiplier, "noised_sum")
+    if not isinstance(sums, dict) or not all(isinstance(g, Tensor) for g in sums.values()):
+        raise TypeError("functx.distributed.noised_sum: sums must be a dict of parameter name -> tensor")
+    buffers: dict = {}  # (dtype, device) -> [names]
+    for name, g in sums.items():
+        buffers.setdefault((g.dtype, g.device), []).append(name)
+    flat: dict = {}
+    views: dict = {}
+    for key, names in buffers.items():
+        flat[key] = buffer = torch.cat([sums[n].detach().reshape(-1) for n in names])
+        offset = 0
+        for n in names:
+            numel = sums[n].numel()
+            views[n] = buffer[offset : offset + numel].view(sums[n].shape)
+            offset += numel
+    out = {n: views[n] for n in sums}
+    if noise_multiplier > 0 and dist.get_rank(group) == 0:
+        from .dp import _add_noise
+
+        _add_noise(out, noise_multiplier * max_norm, generator)  # views: into the buffers
+    for buffer in flat.values():
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def _check_clip_arguments(max_norm, noise_multiplier, api: str) -> None:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ValueError(f"functx.distributed.{api}: max_norm must be a positive number, got {max_norm!r}")
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
+        raise ValueError(f"functx.distributed.{api}: noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
+
+
+def _vmap_clipped_sums(module, loss_fn, inputs, targets, max_norm, params):
+    """`functx.dp.clipped_grad`'s (sums, norms), no noise, by `vmap(grad)` of the module
+    called on one sample at a time (a batch of one) through `functional_call`."""
+    from .ad import grad
+    from .nn.functional_call import _untie, functional_call, tied_groups
+    from .vmap import vmap
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            raise ValueError(
+                f"functx.distributed.clipped_grad: {name or 'the module'} ({type(sub).__name__}) mixes the samples "
+                f"of a batch in training mode, so per-sample gradients are not defined; replace it "
+                f"(GroupNorm, LayerNorm) or put it in eval mode"
+            )
+    if params is not None and not isinstance(params, dict):
+        raise TypeError(f"functx.distributed.clipped_grad: params must be a dict of name -> tensor, got {type(params).__name__}")
+    given = _untie(module, params) if params is not None else {}
+    if params is None:
+        diff = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+    else:
+        diff = {n: given[n].detach() for n, _ in module.named_parameters() if n in given and given[n].is_floating_point()}
+    tied = {name: group for group in tied_groups(module) for name in group}
+    covered = {m for n in diff for m in tied.get(n, [n])}
+    everything = {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+        **given,
+    }
+    fixed = {n: t.detach() if isinstance(t, Tensor) else t for n, t in everything.items() if n not in covered}
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    tensors = [a for a in inputs if isinstance(a, Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("functx.distributed.clipped_grad: inputs must include a tensor with the batch first")
+    batch = tensors[0].shape[0]
+
+    def one(t):
+        return t.unsqueeze(0) if isinstance(t, Tensor) else t
+
+    def sample_loss(diff_params, sample_inputs, sample_targets):
+        out = functional_call(module, (diff_params, fixed), tuple(one(a) for a in sample_inputs))
+        loss = loss_fn(out, optree.tree_map(one, sample_targets))
+        if not isinstance(loss, Tensor) or tuple(loss.shape) != (1,):
+            got = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"functx.distributed.clipped_grad: loss_fn must return one loss per sample (a batch of one "
+                f"gave {got}, expected (1,)): use the loss with reduction='none'"
+            )
+        return loss.sum()
+
+    in_dims = (None, tuple(0 if isinstance(a, Tensor) else None for a in inputs), 0)
+    per_sample = vmap(grad(sample_loss), in_dims=in_dims, randomness="different")(diff, inputs, targets)
+    dtype = next(iter(diff.values())).dtype if diff else torch.get_default_dtype()
+    device = next(iter(diff.values())).device if diff else tensors[0].device
+    norms_sq = torch.zeros(batch, dtype=dtype, device=device)
+    for g in per_sample.values():
+        norms_sq = norms_sq + g.reshape(batch, -1).pow(2).sum(1).to(dtype)
+    norms = norms_sq.sqrt()
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    sums = {n: torch.tensordot(clip.to(g.dtype), g, dims=1) for n, g in per_sample.items()}
+    return sums, norms
+
+
+# -- ensembles ---------------------------------------------------------------------------
+def _member_range(members: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank `rank`'s members: `torch.tensor_split(range(members), world_size)[rank]`."""
+    size, extra = divmod(members, world_size)
+    start = rank * size + min(rank, extra)
+    return start, start + size + (1 if rank < extra else 0)
+
+
+def shard_ensemble_state(state, rank: int | None = None, world_size: int | None = None):
+    """This rank's slice of a stacked ensemble: the members
+    `torch.tensor_split(range(M), world_size)[rank]` (contiguous, in rank order; when M is
+    not a multiple of the world size the first ranks get one member more).
+
+    `state` is a pytree of stacked tensors whose dim 0 is the member (the `(params, buffers)`
+    of `functx.stack_module_state` or `functx.nn.vmap_init`, a dict, ...): the result has
+    the same structure with each tensor sliced and copied into a new leaf (`requires_grad`
+    as the original's), ready for an optimizer. A `functx.nn.Ensemble` gives a new
+    `Ensemble` of its local members (same `in_dims` and `randomness`). Every rank must build
+    the same full state first (e.g. the same seed), or load it.
+
+    `rank` and `world_size` default to those of the default process group; with both given
+    the function is pure (no process group needed). Gather the members' predictions with
+    `gather_predictions`.
+
+    Example:
+        >>> import torch, functx
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(5)]
+        >>> params, buffers = functx.stack_module_state(models)
+        >>> mine, _ = functx.distributed.shard_ensemble_state((params, buffers), rank=1, world_size=2)
+        >>> mine["weight"].shape, torch.equal(mine["weight"], params["weight"][3:])
+        (torch.Size([2, 2, 3]), True)
+        >>> mine["weight"].is_leaf, mine["weight"].requires_grad
+        (True, True)
+    """
+    if rank is None or world_size is None:
+        if rank is not None or world_size is not None:
+            raise ValueError("functx.distributed.shard_ensemble_state: give both rank and world_size, or neither")
+        _process_group(None, "shard_ensemble_state")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    for what, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"functx.distributed.shard_ensemble_state: {what} must be an int, got {type(value).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"functx.distributed.shard_ensemble_state: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+        )
+    from .nn import Ensemble
+
+    if isinstance(state, Ensemble):
+        module = state.stacked
+        params, buffers = shard_ensemble_state(
+            (dict(module.named_parameters()), dict(module.named_buffers())), rank, world_size
+        )
+        return Ensemble.from_state(module, params, buffers, in_dims=state.in_dims, randomness=state.randomness)
+    leaves = optree.tree_leaves(state)
+    if not leaves:
+        raise ValueError("functx.distributed.shard_ensemble_state: the state holds no tensors")
+    bad = [type(t).__name__ for t in leaves if not isinstance(t, Tensor)]
+    if bad:
+        raise TypeError(
+            f"functx.distributed.shard_ensemble_state: state must be a pytree of stacked tensors (as "
+            f"functx.stack_module_state returns), found {bad[0]}"
+        )
+    members = {t.shape[0] if t.dim() else None for t in leaves}
+    if None in members or len(members) > 1:
+        raise ValueError(
+            f"functx.distributed.shard_ensemble_state: every tensor of the state must have the members on dim 0, "
+            f"with one member count; got leading sizes {sorted(map(str, members))}"
+        )
+    (count,) = members
+    if count < world_size:
+        raise ValueError(
+            f"functx.distributed.shard_ensemble_state: {count} members cannot be sharded across {world_size} ranks "
+            f"(each rank needs at least one member): use at most {count} ranks or at least {world_size} members"
+        )
+    start, stop = _member_range(count, rank, world_size)
+
+    def shard(t: Tensor) -> Tensor:
+        return t[start:stop].detach().clone().requires_grad_(t.requires_grad)
+
+    return optree.tree_map(shard, state)
+
+
+def gather_predictions(local, group: dist.ProcessGroup | None = None, dim: int = 0):
+    """The predictions of every rank's members, concatenated along `dim` in rank order: with
+    `shard_ensemble_state`'s slices, the predictions of the whole ensemble in member order.
+
+    `local` is a tensor or a pytree of tensors (one member per index of `dim`); ranks may
+    hold different numbers of members, every other dim must agree. The result is the same on
+    every rank and is differentiable (as `torch.distributed._functional_collectives`'
+    all-gather: the gradient that reaches each rank's `local` is the sum of every rank's).
+    Call it on every rank of `group`.
+
+    Example (a world of one process):
+        >>> import torch, torch.distributed as dist, functx
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> functx.distributed.gather_predictions(torch.ones(2, 5, 3)).shape
+        torch.Size([2, 5, 3])
+        >>> dist.destroy_process_group()
+    """
+    group = _process_group(group, "gather_predictions")
+    leaves, spec = optree.tree_flatten(local)
+    if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+        raise TypeError("functx.distributed.gather_predictions: local must be a tensor or a pytree of tensors")
+    for t in leaves:
+        if not -t.dim() <= dim < t.dim():
+            raise IndexError(
+                f"functx.distributed.gather_predictions: dim {dim} is out of range for predictions of shape {tuple(t.shape)}"
+            )
+    moved = [t.movedim(dim, 0) for t in leaves]
+    world_size = dist.get_world_size(group)
+    mine = [(tuple(t.shape), str(t.dtype)) for t in moved]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    for r, theirs in enumerate(everyone):
+        if len(theirs) != len(mine) or any(a[1:] != b[1:] or sa != sb for (a, sa), (b, sb) in zip(theirs, mine)):
+            raise ValueError(
+                f"functx.distributed.gather_predictions: rank {r} gave predictions of shapes/dtypes {theirs} (members "
+                f"on dim 0) but rank {dist.get_rank(group)} gave {mine}: every rank must give the same structure, "
+                f"dtypes and shapes except along dim {dim}"
+            )
+    gathered = []
+    for i, t in enumerate(moved):
+        sizes = [theirs[i][0][0] for theirs in everyone]
+        most = max(sizes)
+        if t.shape[0] < most:
+            t = torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))])
+        out = funcol.all_gather_single(t.contiguous(), 0, group)
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        chunks = out.view(world_size, most, *t.shape[1:])
+        gathered.append(torch.cat([chunks[r, : sizes[r]] for r in range(world_size)]).movedim(0, dim))
+    return optree.tree_unflatten(spec, gathered)
+
+
+# -- batching rules for the functional collectives ------------------------------------------
+_c10d = torch.ops._c10d_functional
+_c10d_autograd = torch.ops._c10d_functional_autograd
+
+
+def _elementwise_rule(op):
+    """all_reduce, broadcast, wait_tensor: the collective acts elementwise across ranks, so
+    it runs on the physical tensor as it is (batch dim anywhere)."""
+
+    def rule(info, in_dims, x, *rest):
+        return op(x, *rest), in_dims[0]
+
+    return rule
+
+
+def _dim0_rule(op):
+    """all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single: they gather, scatter
+    or exchange along dim 0 of the sample, so the batch dim goes to dim 1 and the output
+    keeps it there (`(n, B, ...)` -> `(W·n, B, ...)` for a gather)."""
+
+    def rule(info, in_dims, x, *rest):
+        _check_has_dim0(op, x)
+        return op(x.movedim(in_dims[0], 1).contiguous(), *rest), 1
+
+    return rule
+
+
+def _check_has_dim0(op, physical: Tensor) -> None:
+    if physical.dim() < 2:
+        raise RuntimeError(
+            f"functx.vmap: {op._schema.name} of a 0-dim sample: the collective works along dim 0 of each "
+            f"sample, which a 0-dim tensor does not have; give the sample one (x.unsqueeze(0))"
+        )
+
+
+def _coalesced_rule(op, dim0: bool):
+    """The coalesced forms: one collective for a list of tensors, each moved as its single
+    form moves it; unbatched ones go as they are."""
+
+    def rule(info, in_dims, xs, *rest):
+        dims = in_dims[0]
+        if dim0:
+            for x, d in zip(xs, dims):
+                if d is not None:
+                    _check_has_dim0(op, x)
+        moved = [x if d is None else (x.movedim(d, 1).contiguous() if dim0 else x) for x, d in zip(xs, dims)]
+        out_dims = [None if d is None else (1 if dim0 else d) for d in dims]
+        return op(moved, *rest), out_dims
+
+    return rule
+
+
+def _wait_rule(info, in_dims, x):
+    """`_wrap_tensor_autograd` (what the Python wrappers call to return an
+    `AsyncCollectiveTensor`, which waits on first use): under vmap, wait now."""
+    return _c10d.wait_tensor(x), in_dims[0]
+
+
+def _refusing_rule(op, instead: str):
+    def rule(info, in_dims, *args, **kwargs):
+        raise NotImplementedError(
+            f"functx.vmap: {op._schema.name} has no batching rule (run once per sample, its outputs would be "
+            f"read before the collective finished); {instead}"
+        )
+
+    return rule
+
+
+def _register_rules() -> None:
+    for op in (_c10d.all_reduce, _c10d.broadcast, _c10d.wait_tensor):
+        register_vmap(op.default, _elementwise_rule(op.default))
+    for op in (
+        _c10d.all_gather_into_tensor,
+        _c10d.reduce_scatter_tensor,
+        _c10d.all_to_all_single,
+        _c10d_autograd.all_gather_into_tensor,
+        _c10d_autograd.reduce_scatter_tensor,
+        _c10d_autograd.all_to_all_single,
+    ):
+        register_vmap(op.default, _dim0_rule(op.default))
+    register_vmap(_c10d.all_reduce_coalesced.default, _coalesced_rule(_c10d.all_reduce_coalesced.default, False))
+    for op in (_c10d.all_gather_into_tensor_coalesced, _c10d.reduce_scatter_tensor_coalesced):
+        register_vmap(op.default, _coalesced_rule(op.default, True))
+    register_vmap(_c10d._wrap_tensor_autograd.default, _wait_rule)
+    out_of_place = "use the out-of-place form (torch.distributed._functional_collectives.all_reduce, ...)"
+    for name in ("all_reduce_", "all_reduce_coalesced_", "broadcast_", "all_gather_into_tensor_out", "reduce_scatter_tensor_out"):
+        op = getattr(_c10d, name).default
+        register_vmap(op, _refusing_rule(op, out_of_place))
+    for name in ("isend", "irecv", "batch_p2p_ops"):
+        op = getattr(_c10d, name).default
+        register_vmap(op, _refusing_rule(op, "send and receive the batch outside vmap"))
+
+
+_register_rules()
