@@ -2,7 +2,9 @@
 autograd on the physical tensors): the batched matrix product (vmap/rules/linalg.py
 `BatchedProduct`: each operand's gradient in that operand's per-element layout, as torch's
 `mm` backward gives it per sample) and the embedding lookup (vmap/rules/indexing.py
-`BatchedEmbedding`: one shared table, no stacked copy).
+`BatchedEmbedding`: one shared table, no stacked copy) and the convolution with a shared
+weight (vmap/rules/nn_conv.py `SharedWeightConvolution`: one convolution against the weight,
+not a grouped one against B copies).
 
 Per-sample gradients must come out with torch.func's strides (a naive DP-SGD step reads
 them with `flatten(1)` and `einsum`), with the values of a plain loop of torch.autograd.grad
@@ -11,9 +13,13 @@ module forms that reach these rules (Linear on 1-d, 2-d and 3-d inputs, Embeddin
 without padding_idx, shared or per-sample indices).
 """
 
+import sys
+
 import pytest
 import torch
 import torch.func as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -184,3 +190,44 @@ def test_matrix_product_of_a_transposed_batch_does_not_copy_rows():
     a = torch.randn(B, 6, 5, dtype=D).transpose(1, 2)  # (B, 5, 6), per-element transposed
     b = torch.randn(6, 4, dtype=D)
     torch.testing.assert_close(functx.vmap(torch.mm, in_dims=(0, None))(a, b), torch.stack([x @ b for x in a]))
+
+
+CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    spatial=st.sampled_from([1, 2, 3]), groups=st.integers(1, 2), per_group=st.sampled_from([1, 2, 24]),
+    n=st.integers(1, 2), stride=st.integers(1, 2), padding=st.integers(0, 1), dilation=st.integers(1, 2),
+    bias=st.sampled_from(["shared", "per-sample", None]), input_grad=st.booleans(),
+)  # fmt: skip
+def test_per_sample_convolution_gradients_with_a_shared_weight(spatial, groups, per_group, n, stride, padding, dilation, bias, input_grad):
+    """vmap(grad) of a convolution: one convolution against the shared weight
+    (`SharedWeightConvolution`), weight gradients grouped or unfolded (24 channels per group
+    on a small map unfold); values of a float64 torch.autograd loop, torch.func's strides."""
+    torch.manual_seed(0)
+    conv_module = sys.modules["functx.vmap.rules.nn_conv"]
+    c_in = groups * per_group
+    w = torch.randn(2 * groups, per_group, *(3,) * spatial, dtype=D)
+    b = torch.randn(B, 2 * groups, dtype=D) if bias == "per-sample" else torch.randn(2 * groups, dtype=D) if bias else None
+    xs = torch.randn(B, n, c_in, *(5,) * spatial, dtype=D)
+
+    def loss(w, b, x):
+        return F.relu(CONVS[spatial](x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)).square().sum()
+
+    argnums = (0, *(1,) * (b is not None), *(2,) * input_grad)
+    in_dims = (None, 0 if bias == "per-sample" else None, 0)
+    applied = []
+    original = conv_module.SharedWeightConvolution.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conv_module.SharedWeightConvolution, "forward", staticmethod(lambda *a: applied.append(1) or original(*a)))
+        ours = functx.vmap(functx.grad(loss, argnums=argnums), in_dims=in_dims)(w, b, xs)
+    assert applied
+    theirs = tf.vmap(tf.grad(loss, argnums=argnums), in_dims=in_dims)(w, b, xs)
+    for i, (o, t) in enumerate(zip(ours, theirs)):
+        want = []
+        for k in range(B):
+            leaves = [w.clone().requires_grad_(), None if b is None else (b[k] if bias == "per-sample" else b).clone().requires_grad_(), xs[k].clone().requires_grad_()]
+            want.append(torch.autograd.grad(loss(*leaves), leaves[argnums[i]]))
+        torch.testing.assert_close(o, torch.stack([g[0] for g in want]))
+        assert o.stride() == t.stride(), (i, o.stride(), t.stride())

@@ -13,8 +13,10 @@ One kernel call per op, whichever arguments are batched; the vmap batch B goes i
 
 import torch
 
+from ...core.custom_function import apply_original
 from ..batched_tensor import VMAP_RULES
 from ..templates import materialize
+from .linalg import _override_product as _direct_grad_records
 
 aten = torch.ops.aten
 
@@ -95,6 +97,69 @@ def unfolded_weight_grads(input, grad_output, weight_shape, stride, padding, dil
     return torch.bmm(go, columns.mT).view(batch, *weight_shape)
 
 
+class SharedWeightConvolution(torch.autograd.Function):
+    """A convolution of a batch (B, N, C, *s) with one weight that a direct grad level gave
+    the batch dim as an expand ((B, O, C/g, *k), stride 0: `vmap(grad(loss))` of a conv net),
+    for torch's autograd to record. The grouped convolution (the batch in the groups) would
+    convolve B copies of the weight; here the forward is one convolution of the B·N inputs
+    against the weight itself, and the backward gives the input's gradient likewise and each
+    element's weight gradient grouped or unfolded, whichever `unfolding_pays`. Only where the
+    gradient is not built with create_graph=True (`_direct_grad_records`): the backward reads
+    the weight through element 0, which would differentiate as element 0 alone."""
+
+    # forward(ctx, ...) without setup_context: torch binds a setup_context Function's
+    # arguments with inspect.signature on every apply (~20 µs)
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.settings = (stride, padding, dilation, groups)
+        ctx.has_bias = bias is not None
+        batch, n = x.shape[:2]
+        spatial = x.dim() - 3
+        shared_bias = bias[0] if bias is not None and bias.stride(0) == 0 else None
+        out = aten.convolution.default(
+            x.flatten(0, 1), weight[0], shared_bias, stride, padding, dilation, False, [0] * spatial, groups
+        ).unflatten(0, (batch, n))
+        if bias is not None and shared_bias is None:  # per-element biases (B, O)
+            out = out + bias.view(batch, 1, bias.shape[1], *(1,) * spatial)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.settings
+        batch, n = x.shape[:2]
+        spatial = x.dim() - 3
+        grad_x = grad_weight = grad_bias = None
+
+        def backward(go, inp, w, g, mask):
+            return aten.convolution_backward.default(go, inp, w, None, stride, padding, dilation, False, [0] * spatial, g, mask)
+
+        if ctx.needs_input_grad[0]:
+            grad_x = backward(grad.flatten(0, 1), x.flatten(0, 1), weight[0], groups, [True, False, False])[0]
+            grad_x = grad_x.unflatten(0, (batch, n))
+        if ctx.needs_input_grad[1]:
+            if unfolding_pays(x, grad, groups):
+                grad_weight = unfolded_weight_grads(x, grad, list(weight.shape[1:]), stride, padding, dilation)
+            else:  # the grouped backward, its weight read only for its shape
+                dummy = weight.new_zeros(()).expand(batch * weight.shape[1], *weight.shape[2:])
+                grouped = backward(_batch_into_groups(grad), _batch_into_groups(x), dummy, batch * groups, [False, True, False])
+                grad_weight = grouped[1].unflatten(0, (batch, -1))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((1, *range(3, grad.dim())))
+        return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def _shared_weight_convolution(interp, op, input, weight, bias, transposed, flags):
+    """`SharedWeightConvolution` where it applies (see its docstring); None otherwise."""
+    if op is not aten.convolution.default or transposed or flags:
+        return None
+    x, w = materialize(interp, input), materialize(interp, weight)
+    if w.stride(0) != 0 or not w.shape[0] or not _direct_grad_records(interp, x, w):
+        return None
+    return x, w, None if bias is None else materialize(interp, bias)
+
+
 # -- aten.convolution -----------------------------------------------------------------------
 def _convolution_rule(op):
     """Rule for `convolution` and `_convolution` (the latter has four trailing flags)."""
@@ -108,6 +173,9 @@ def _convolution_rule(op):
         input_batched, weight_batched = interp.is_batched(input), interp.is_batched(weight)
         if weight_batched:
             bias_value = None if bias is None else materialize(interp, bias)
+            if input_batched and (shared := _shared_weight_convolution(interp, op, input, weight, bias, transposed, flags)):
+                x, w, b = shared
+                return interp.wrap(apply_original(SharedWeightConvolution, x, w, b, stride, padding, dilation, groups))
             if input_batched:  # B into the groups
                 w = weight._value.flatten(0, 1)
                 b = None if bias_value is None else bias_value.flatten(0, 1)
