@@ -29,6 +29,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_ena
 from ..core.dual_values import level_rule
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
 from .direct_forward import DirectJvpLevel
+from .direct_reverse import is_differentiated
 from .wrapped_forward import WrappedJvpLevel, make_duals
 from .wrapped_reverse import WrappedGradLevel
 
@@ -93,6 +94,7 @@ def apply_at_grad_level(level, function, args, kwargs):
 
 def _apply_at_grad_level(level, function, args, kwargs):
     if not is_new_style(function):
+        _refuse_hidden_forward(level, function, args)
         return apply_original(function, *args, **kwargs)
     generated = cached_on_class(function, "single_level", single_level_function)
     previous = getattr(_pending, "level", None)
@@ -101,6 +103,24 @@ def _apply_at_grad_level(level, function, args, kwargs):
         return apply_original(generated, *args, **kwargs)
     finally:
         _pending.level = previous
+
+
+def _refuse_hidden_forward(level, function, args):
+    """An old-style Function's forward runs under torch's no_grad, so a grad level below this
+    one would not see its operations: the derivative of this level's gradient (grad of grad,
+    hessian, jacrev of jacrev, vmap of those) would come out silently zero. Refused where a
+    level below differentiates an argument; torch.func refuses old-style Functions always."""
+    for a in optree.tree_leaves(args, none_is_leaf=True):
+        if getattr(a, "_interp", None) is level and is_differentiated(a._value):
+            raise RuntimeError(
+                f"functx: {function.__name__} is an old-style autograd.Function (forward(ctx, ...) "
+                f"without setup_context) differentiated by two nested grad levels here (grad of "
+                f"grad, hessian, jacrev of jacrev, or those under vmap). torch runs its forward "
+                f"without grad, so the outer level cannot see through it and its derivative would "
+                f"be silently zero. Write it torch 2.x style: forward(*args) without ctx plus a "
+                f"setup_context(ctx, inputs, output) staticmethod (torch.func requires that under "
+                f"every transform)."
+            )
 
 
 def apply_at_jvp_level(level, function, args, kwargs):

@@ -275,3 +275,51 @@ def test_tensors_inside_containers_match_torch_func(name, argnum, container):
     if name == "grad":  # and the closed forms
         closed = torch.zeros_like(a) if argnum == 0 else 200 * a * b * (a * b * w)
         torch.testing.assert_close(expected, closed)
+
+
+class _OldStyleDouble(torch.autograd.Function):
+    """Old style (forward(ctx, ...), no setup_context): 2x, backward 2g."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+_OLD_STYLE_COMPOSITIONS = {
+    # name: (composition of f, refused?) where f(t) = (2t)^3: f' = 24 t^2, f'' = 48 t
+    "vmap(grad)": (lambda f: functx.vmap(functx.grad(f)), False),
+    "grad(grad)": (lambda f: lambda x: torch.stack([functx.grad(functx.grad(f))(t) for t in x]), False),
+    "jacrev(grad)": (lambda f: lambda x: torch.stack([functx.jacrev(functx.grad(f))(t) for t in x]), False),
+    "grad(vmap(grad))": (lambda f: functx.grad(lambda x: functx.vmap(functx.grad(f))(x).sum()), False),
+    "vmap(grad(grad))": (lambda f: functx.vmap(functx.grad(functx.grad(f))), True),
+    "vmap(hessian)": (lambda f: functx.vmap(functx.hessian(f)), True),
+    "hessian": (lambda f: lambda x: torch.stack([functx.hessian(f)(t) for t in x]), True),
+    "jacrev(jacrev)": (lambda f: lambda x: torch.stack([functx.jacrev(functx.jacrev(f))(t) for t in x]), True),
+    "grad(jacrev)": (lambda f: lambda x: torch.stack([functx.grad(functx.jacrev(f))(t) for t in x]), True),
+}
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+@pytest.mark.parametrize("name", list(_OLD_STYLE_COMPOSITIONS))
+def test_old_style_functions_are_right_or_refused_under_nested_derivatives(name):
+    """An old-style Function's forward runs under torch's no_grad, so a grad level below a
+    wrapped one could not see through it: its second derivatives came out silently zero
+    (vmap(grad(grad)), hessian, jacrev(jacrev), grad(jacrev)). Those are refused now, naming
+    the fix; the compositions torch's own autograd differentiates stay right (float64
+    torch.autograd with create_graph as the reference)."""
+    compose, refused = _OLD_STYLE_COMPOSITIONS[name]
+    x = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64)
+    f = lambda t: _OldStyleDouble.apply(t) ** 3  # noqa: E731
+    if refused:
+        with pytest.raises(RuntimeError, match="old-style autograd.Function .* setup_context"):
+            compose(f)(x)
+        return
+    leaves = x.clone().requires_grad_()
+    (first,) = torch.autograd.grad(f(leaves).sum(), leaves, create_graph=True)
+    (second,) = torch.autograd.grad(first.sum(), leaves)
+    expected = first.detach() if name == "vmap(grad)" else second
+    torch.testing.assert_close(compose(f)(x), expected)
