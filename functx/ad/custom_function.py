@@ -94,9 +94,11 @@ def apply_at_grad_level(level, function, args, kwargs):
 
 def _apply_at_grad_level(level, function, args, kwargs):
     if not is_new_style(function):
-        _refuse_hidden_forward(level, function, args)
-        return apply_original(function, *args, **kwargs)
-    generated = cached_on_class(function, "single_level", single_level_function)
+        if not _seen_below(level, function, args):
+            return apply_original(function, *args, **kwargs)
+        generated = cached_on_class(function, "seen_below", old_style_seen_below)
+    else:
+        generated = cached_on_class(function, "single_level", single_level_function)
     previous = getattr(_pending, "level", None)
     _pending.level = level
     try:
@@ -105,22 +107,49 @@ def _apply_at_grad_level(level, function, args, kwargs):
         _pending.level = previous
 
 
-def _refuse_hidden_forward(level, function, args):
-    """An old-style Function's forward runs under torch's no_grad, so a grad level below this
-    one would not see its operations: the derivative of this level's gradient (grad of grad,
-    hessian, jacrev of jacrev, vmap of those) would come out silently zero. Refused where a
-    level below differentiates an argument; torch.func refuses old-style Functions always."""
-    for a in optree.tree_leaves(args, none_is_leaf=True):
-        if getattr(a, "_interp", None) is level and is_differentiated(a._value):
+def _seen_below(level, function, args) -> bool:
+    """Whether a level below this one differentiates an argument of an old-style Function.
+    Its forward runs under torch's no_grad, so applied here as torch applies it such a level
+    would not see its operations: second derivatives through it (grad of grad, hessian,
+    jacrev of jacrev, vmap of those) came out wrong (zero for a linear Function)."""
+    return any(
+        getattr(a, "_interp", None) is level and is_differentiated(a._value)
+        for a in optree.tree_leaves(args, none_is_leaf=True)
+    )
+
+
+def old_style_seen_below(function):
+    """`function` (old style: forward(ctx, ...)) as a Function of this level whose forward the
+    levels below see: it runs the user's forward on this level's tensors only to fill the
+    ctx the user's backward reads (torch runs it without grad; its result is not used), and
+    takes its result from the Function applied one level down, with the grad mode of outside
+    this level, where the lower levels record it. The user's forward runs twice, so one that
+    writes its inputs (mark_dirty) is refused. Made once per Function class."""
+    name = function.__name__
+
+    def forward(ctx, *args):
+        level = _pending.level
+        function.forward(ctx, *args)
+        if getattr(ctx, "dirty_tensors", None):
             raise RuntimeError(
-                f"functx: {function.__name__} is an old-style autograd.Function (forward(ctx, ...) "
-                f"without setup_context) differentiated by two nested grad levels here (grad of "
-                f"grad, hessian, jacrev of jacrev, or those under vmap). torch runs its forward "
-                f"without grad, so the outer level cannot see through it and its derivative would "
-                f"be silently zero. Write it torch 2.x style: forward(*args) without ctx plus a "
-                f"setup_context(ctx, inputs, output) staticmethod (torch.func requires that under "
-                f"every transform)."
+                f"functx: {name} is an old-style autograd.Function (forward(ctx, ...)) that writes "
+                f"its inputs (mark_dirty), differentiated by two nested grad levels here (grad of "
+                f"grad, hessian, jacrev of jacrev). functx must run its forward twice there. Write it "
+                f"torch 2.x style: forward(*args) without ctx plus a setup_context staticmethod."
             )
+        values = optree.tree_map(
+            lambda a: a._value if getattr(a, "_interp", None) is level else a, args, none_is_leaf=True
+        )
+        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True):
+            outputs = function.apply(*values)  # one level down
+        return _wrap_outputs(level, outputs, args, values)
+
+    def backward(ctx, *grads):
+        return function.backward(ctx, *grads)
+
+    return type(f"{name}SeenBelow", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward), "__qualname__": f"{name}SeenBelow",
+    })  # fmt: skip
 
 
 def apply_at_jvp_level(level, function, args, kwargs):
