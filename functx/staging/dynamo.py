@@ -314,20 +314,52 @@ class FunctionalCallVariable(UserFunctionVariable):
 ENTRIES = {}
 
 
+_RULES = {}  # function -> the dynamo variable that traces it (functx's entries in dynamo's rule map)
+
+
 def install():
     """Register functx with dynamo (idempotent): each entry point is staged when traced,
     and, where dynamo could not stage a call and runs it eagerly, runs with dynamo off
     (frames under a transform hold functx's level tensors: nothing dynamo should compile)."""
     if ENTRIES:
         return
-    rules = trace_rules.get_torch_obj_rule_map()
     for module, name, layout, option_names, per_sample in _ENTRY_POINTS:
         how = _Entry(module, name, layout, option_names, per_sample)
         eager = torch._dynamo.disable(how.entry, reason="functx: a transform call dynamo could not stage")
         setattr(module, name, eager)
         for fn in (how.entry, eager):
             ENTRIES[fn] = how
-            rules[fn] = StagedTransformVariable
+            _RULES[fn] = StagedTransformVariable
     from ..nn.functional_call import functional_call
 
-    rules[functional_call] = FunctionalCallVariable
+    _RULES[functional_call] = FunctionalCallVariable
+    _keep_rules()
+
+
+class _RuleMapWithFunctx:
+    """dynamo's `trace_rules.get_torch_obj_rule_map` (a cached dict) with functx's entries
+    added each time it is rebuilt. torch clears that cache at run time
+    (`torch.distributed.init_process_group` does, via `trace_rules.clear_lru_cache`):
+    entries written into the cached dict once were lost then, and every transform call
+    under functx.jit / torch.compile became an eager graph break."""
+
+    def __init__(self, original):
+        self.original = original
+        self.rules = None
+
+    def __call__(self):
+        if self.rules is None:
+            self.rules = self.original()
+            self.rules.update(_RULES)
+        return self.rules
+
+    def cache_clear(self):
+        self.original.cache_clear()
+        self.rules = None
+
+
+def _keep_rules():
+    current = trace_rules.get_torch_obj_rule_map
+    if not isinstance(current, _RuleMapWithFunctx):
+        current = trace_rules.get_torch_obj_rule_map = _RuleMapWithFunctx(current)
+    current.cache_clear()

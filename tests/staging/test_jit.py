@@ -404,3 +404,24 @@ def test_per_sample_weight_gradients_keep_their_layout_when_staged(stage):
         _assert_trees_close(out, per_sample(params, x, y))
     for name in ("0.weight", "2.weight"):
         assert out[name].is_contiguous(), (name, out[name].stride())
+
+
+def test_transforms_stay_staged_after_torch_clears_dynamos_rule_cache():
+    """torch.distributed.init_process_group clears dynamo's trace-rule cache
+    (`trace_rules.clear_lru_cache`); functx's entries in it were lost, and every transform
+    call under jit then ran eagerly behind a graph break (traces == 0), found when the
+    distributed tests ran before the jit doctest. Here with a real one-process gloo group."""
+    import torch.distributed as dist
+
+    w, xs = torch.randn(3), torch.randn(4, 3)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        f = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).sin().sum()), in_dims=(None, 0)))
+        torch.testing.assert_close(f(w, xs), torch.cos(w * xs) * xs)
+        assert f.traces == 1
+        torch._dynamo.trace_rules.clear_lru_cache()
+        g = functx.jit(functx.vmap(functx.grad(lambda w, x: (w * x).cos().sum()), in_dims=(None, 0)))
+        torch.testing.assert_close(g(w, xs), -torch.sin(w * xs) * xs)
+        assert g.traces == 1
+    finally:
+        dist.destroy_process_group()
