@@ -35,26 +35,31 @@ available = importlib.util.find_spec("triton") is not None  # an optional depend
 
 def ghost_norms_sq(a: torch.Tensor, g: torch.Tensor, block_t: int = 32, block_d: int = 32) -> torch.Tensor:
     """(B, T, d_in), (B, T, d_out) -> (B,): ‖Σ_t g_bt a_btᵀ‖² per sample, by the Triton kernel."""
-    if not available:
-        raise RuntimeError("functx.kernels.triton_kernels: triton is not installed (pip install triton)")
-    import triton
-    import triton.language as tl
-
+    triton = _require_triton()
     from ._triton_impl import _ghost_norms_kernel
 
     batch, length, d_in = a.shape
-    accumulate = torch.float64 if g.dtype == torch.float64 else torch.float32
+    accumulate, acc = _accumulator(g.dtype)
     out = torch.zeros(batch, dtype=accumulate, device=a.device)
     blocks = triton.cdiv(length, block_t)
     _ghost_norms_kernel[(batch, blocks, blocks)](
         a, g, out, length, d_in, g.shape[2],
         a.stride(0), a.stride(1), a.stride(2), g.stride(0), g.stride(1), g.stride(2),
-        BLOCK_T=block_t, BLOCK_D=block_d, ACC=tl.float64 if accumulate == torch.float64 else tl.float32,
+        BLOCK_T=block_t, BLOCK_D=block_d, ACC=acc,
     )  # fmt: skip
     return out.to(g.dtype)
 
 
+def _require_triton():
+    if not available:
+        raise RuntimeError("functx.kernels.triton_kernels: triton is not installed (pip install triton)")
+    import triton
+
+    return triton
+
+
 def _accumulator(dtype):
+    """The sums' dtype, as torch's and as Triton's: float64 for float64 inputs, else float32."""
     import triton.language as tl
 
     wide = dtype == torch.float64
@@ -73,7 +78,7 @@ def fits_one_block(x: torch.Tensor, normalized_ndim: int) -> bool:
 
 def layer_norm_affine_grads(x: torch.Tensor, g: torch.Tensor, normalized_ndim: int, eps: float):
     """(B, *, *N), same shape -> (B, *N) twice: Σ g ⊙ x̂ and Σ g per sample, by the Triton kernel."""
-    import triton
+    triton = _require_triton()
 
     from ._triton_impl import _layer_norm_affine_kernel
 
@@ -96,7 +101,7 @@ def layer_norm_affine_grads(x: torch.Tensor, g: torch.Tensor, normalized_ndim: i
 
 def embedding_norms_sq(ids: torch.Tensor, g: torch.Tensor, num_embeddings: int, padding_idx, block_d: int = 64):
     """(B, T) ids, (B, T, D) -> (B,): the squared norm of each sample's embedding gradient."""
-    import triton
+    triton = _require_triton()
 
     from ._triton_impl import _embedding_norms_kernel
 

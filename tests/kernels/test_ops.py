@@ -91,6 +91,14 @@ def test_conv_op_takes_the_unfolded_path_for_wide_inputs(dtype, spatial, stride,
     torch.library.opcheck(ops.conv_per_sample_weight_grads, (x, g, *settings))
 
 
+def _affine_problem(layer, shape, dtype):
+    """The layer in `dtype` with random affine parameters; an input and an output gradient."""
+    layer = layer.to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    return layer, torch.randn(*shape, dtype=dtype), torch.randn(*shape, dtype=dtype)
+
+
 def _per_sample_affine_reference(layer, x, g):
     """Each sample's (weight, bias) gradient by a torch.autograd loop."""
     grads = [torch.autograd.grad(layer(x[b : b + 1]), (layer.weight, layer.bias), g[b : b + 1]) for b in range(x.shape[0])]
@@ -102,10 +110,7 @@ def _per_sample_affine_reference(layer, x, g):
     "shape, normalized_ndim", [((3, 5, 4), 1), ((2, 3, 4, 5), 2), ((3, 6), 1), ((1, 2, 7), 1)], ids=["seq", "2d", "flat", "one"]
 )
 def test_layer_norm_affine_op(dtype, shape, normalized_ndim):
-    layer = torch.nn.LayerNorm(shape[len(shape) - normalized_ndim :], eps=1e-3).to(dtype)
-    with torch.no_grad():
-        layer.weight.normal_(), layer.bias.normal_()
-    x, g = torch.randn(*shape, dtype=dtype), torch.randn(*shape, dtype=dtype)
+    layer, x, g = _affine_problem(torch.nn.LayerNorm(shape[len(shape) - normalized_ndim :], eps=1e-3), shape, dtype)
     got = ops.layer_norm_affine_grads(x, g, normalized_ndim, 1e-3)
     torch.testing.assert_close(got, _per_sample_affine_reference(layer, x, g))
     torch.library.opcheck(ops.layer_norm_affine_grads, (x, g, normalized_ndim, 1e-3))
@@ -117,10 +122,7 @@ def test_layer_norm_affine_op(dtype, shape, normalized_ndim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape, groups", [((3, 4, 5, 5), 2), ((2, 6, 7), 3), ((3, 4), 2), ((1, 2, 3), 1)])
 def test_group_norm_affine_op(dtype, shape, groups):
-    layer = torch.nn.GroupNorm(groups, shape[1], eps=1e-4).to(dtype)
-    with torch.no_grad():
-        layer.weight.normal_(), layer.bias.normal_()
-    x, g = torch.randn(*shape, dtype=dtype), torch.randn(*shape, dtype=dtype)
+    layer, x, g = _affine_problem(torch.nn.GroupNorm(groups, shape[1], eps=1e-4), shape, dtype)
     got = ops.group_norm_affine_grads(x, g, groups, 1e-4)
     torch.testing.assert_close(got, _per_sample_affine_reference(layer, x, g))
     torch.library.opcheck(ops.group_norm_affine_grads, (x, g, groups, 1e-4))
