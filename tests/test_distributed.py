@@ -63,6 +63,11 @@ def _entry(rank: int, world_size: int, port: int, scenario: str, out: str) -> No
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    # Skip Python's interpreter teardown: gloo's C++ threads can still hold tensors then and,
+    # rarely, abort a process whose work is done (seen once in CI, in the tutorial's ranks).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(scenario: str, tmp_path: Path, world_size: int = WORLD) -> list:

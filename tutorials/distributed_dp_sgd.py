@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -209,6 +210,11 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     train(args)
+    # Leave without Python's interpreter teardown: gloo's C++ threads can still hold tensors
+    # then and, rarely, abort the finished process (pytorch/pytorch#179291 describes it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
