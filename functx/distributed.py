@@ -30,13 +30,13 @@ Three parts, all built on an initialised process group (`torch.distributed.init_
   autograd formulas for these ops (torch >= 2.13 registers them on the `_c10d_functional`
   ops: all_reduce(sum) <-> all_reduce(sum), all_gather <-> reduce_scatter(sum)), which
   functx.grad, vjp, jacrev, vmap(grad) and grad(vmap) use; as in torch, the gradient is
-  that of the sum of every rank's loss. Not covered: forward mode (jvp, jacfwd, hessian)
-  sees no tangent through a collective (torch registers no forward-mode formula for these
-  ops; torch.func gives zeros there too), and second derivatives under vmap
-  (vmap(grad(grad)), jacrev(jacrev)) come out zero: torch's double backward of these ops
-  is an old-style autograd.Function, which functx.vmap runs per sample and loses under an
-  outer grad level (a functx limitation); second derivatives outside vmap (grad(grad),
-  jacrev(grad)) are right.
+  that of the sum of every rank's loss. Forward mode (jvp, jacfwd, hessian, linearize), which
+  torch does not give these ops (its forward AD drops their tangents: zeros), is functx's: a
+  collective is linear, so the output's tangent is the same collective of every rank's
+  tangent (`_register_forward_rules`, through functx/ad/library_ops.py); all_reduce with
+  max/min is not, and is an error. Second derivatives (hessian, jacrev(jacrev),
+  vmap(grad(grad))) are right; under vmap torch's double backward of a collective (an
+  old-style autograd.Function) runs once per sample, with a PerformanceWarning.
 
 Under vmap, an `AsyncCollectiveTensor` (what the Python wrappers return, waiting on first
 use) is waited on at once. The in-place and `out=` forms (`all_reduce_`, `broadcast_`,
@@ -55,6 +55,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
+from .ad import library_ops
+from .ad.wrapped_forward import NO_FORWARD_FORMULA
 from .library import register_vmap
 
 if not dist.is_available():  # pragma: no cover - torch built without distributed support
@@ -529,4 +531,63 @@ def _register_rules() -> None:
         register_vmap(op, _refusing_rule(op, "send and receive the batch outside vmap"))
 
 
+def _linear_forward_rule(op, reduce_op_at=None):
+    """A collective is linear in its tensors (sum or average over ranks, gathering, scattering,
+    exchanging, broadcasting): the output's tangent is the same collective of the tangents,
+    so forward mode costs one more collective, as torch's backward does. Every rank must
+    differentiate the same collectives (with zero tangents where it has none), as every
+    rank calls them."""
+
+    def rule(run, primals, tangents, kwargs):
+        if reduce_op_at is not None and str(primals[reduce_op_at]).lower() not in ("sum", "avg"):
+            raise NotImplementedError(
+                f"{NO_FORWARD_FORMULA} {op} with reduce_op={primals[reduce_op_at]!r}: only a sum or an average over "
+                f"ranks is linear (functx.jvp falls back to the double-VJP identity, which needs the backward)"
+            )
+        args = [_tangent_or_zeros(p, t) for p, t in zip(primals, tangents)]
+        # The tangent's collective is waited on at once: attaching it to the output may copy
+        # it (a vmap-batched tangent), which must not read the buffer before it is filled.
+        tangent = op(*args, **kwargs)
+        if isinstance(tangent, list):
+            return run(*primals, **kwargs), [_c10d.wait_tensor(t) for t in tangent]
+        return run(*primals, **kwargs), _c10d.wait_tensor(tangent)
+
+    return rule
+
+
+def _wrap_forward_rule(run, primals, tangents, kwargs):
+    """`_wrap_tensor_autograd` returns an AsyncCollectiveTensor, whose users read its inner
+    tensor (`.elem`), which has no tangent: under forward mode the collective is waited on
+    at once instead (as under vmap)."""
+    return _c10d.wait_tensor(primals[0]), _c10d.wait_tensor(tangents[0])
+
+
+def _tangent_or_zeros(primal, tangent):
+    if isinstance(primal, Tensor):
+        return torch.zeros_like(primal) if tangent is None else tangent
+    if isinstance(primal, list) and tangent is not None:
+        return [torch.zeros_like(p) if t is None else t for p, t in zip(primal, tangent)]
+    return primal
+
+
+def _register_forward_rules() -> None:
+    """Forward mode (jvp, jacfwd, hessian) through the functional collectives: torch gives
+    them reverse mode only (functx/ad/library_ops.py)."""
+    reduce_op_at = {"all_reduce": 1, "all_reduce_coalesced": 1, "reduce_scatter_tensor": 1, "reduce_scatter_tensor_coalesced": 1}
+    namespaces = {
+        _c10d: ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
+                "wait_tensor"),
+        _c10d_autograd: ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"),
+    }  # fmt: skip
+    for namespace, names in namespaces.items():
+        for name in names:
+            op = getattr(namespace, name).default
+            library_ops.register_forward_rule(op, _linear_forward_rule(op, reduce_op_at.get(name)))
+            library_ops.wrap_existing(op)
+    library_ops.register_forward_rule(_c10d._wrap_tensor_autograd.default, _wrap_forward_rule)
+    library_ops.wrap_existing(_c10d._wrap_tensor_autograd.default)
+
+
 _register_rules()
+_register_forward_rules()

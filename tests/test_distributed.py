@@ -493,6 +493,18 @@ def _collectives(rank, world_size):
             rows.append(row)
         torch.testing.assert_close(jac, torch.stack(rows))
         result["jacrev_all_gather"] = jac
+        # forward mode: every rank's tangent goes through the same collective (torch gives these
+        # ops reverse mode only; functx/ad/library_ops.py)
+        t = _data(40 + rank, 4, 3)
+        linear = ("all_reduce", "all_gather", "all_gather_dim1", "reduce_scatter", "all_to_all", "broadcast", "raw_all_gather_autograd")
+        result["t"] = t
+        result["jvp"] = {name: functx.jvp(ops[name], (x[0],), (t,))[1] for name in linear}
+        result["jvp_sin"] = functx.jvp(lambda v: torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4], (x[0],), (t,))[1]
+        result["vmap_jvp"] = functx.vmap(lambda v, tv: functx.jvp(ops["all_gather"], (v,), (tv,))[1])(x, x.cos())
+        result["jacfwd_all_gather"] = functx.jacfwd(ops["all_gather"])(x[0, :2, 0])
+        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()  # noqa: E731
+        result["hessian"] = functx.hessian(smooth)(x[0, :, 0])
+        result["jacrev_jacrev"] = functx.jacrev(functx.jacrev(smooth))(x[0, :, 0])
         # coalesced forms: a batched and an unbatched tensor in one collective
         other = _data(20 + rank, 2, 3)
         for coalesced in (
@@ -533,6 +545,16 @@ def _collectives(rank, world_size):
         vmap_equals_loop()
     loops = [str(c.message) for c in caught if issubclass(c.category, functx.PerformanceWarning)]
     assert not loops, f"a collective ran once per sample: {loops[0]}"
+    with warnings.catch_warnings():  # torch's double backward of a collective: vmap runs it once per sample
+        warnings.simplefilter("ignore", functx.PerformanceWarning)
+        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()  # noqa: E731
+        result["vmap_grad_grad"] = functx.vmap(functx.grad(lambda v: functx.grad(smooth)(v).sum()))(x[:, :, 0])
+    try:  # max is not linear, and torch refuses the backward of all_reduce(max): no tangent but an error
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", functx.PerformanceWarning)  # the double-VJP fallback's
+            functx.jvp(ops["raw_all_reduce"], (x[0],), (t,))
+    except RuntimeError as error:
+        result["jvp_max_error"] = str(error)
     return result
 
 
@@ -571,6 +593,46 @@ def test_gradients_through_collectives(collectives_results):
         jac = torch.zeros(4, 2, dtype=DT)
         jac[2 * rank : 2 * rank + 2] = torch.eye(2, dtype=DT) * WORLD
         torch.testing.assert_close(r["jacrev_all_gather"], jac)
+
+
+def test_forward_mode_through_collectives(collectives_results):
+    """jvp, vmap(jvp), jacfwd and hessian: this rank's output's tangent given every rank's
+    tangent (the collective of the tangents), against closed forms and float64 autograd of
+    the one-process function; torch registers no forward formula for these ops (its forward
+    AD gives zeros)."""
+    x = [r["x"][0] for r in collectives_results]
+    t = [r["t"] for r in collectives_results]
+    w = [r["w"] for r in collectives_results]
+
+    def total_loss(v0, v1):  # the sum over ranks of each rank's loss, in one process
+        return sum((torch.sin(v0 + v1) * w_r[:4, 0]).sum() for w_r in w)
+
+    blocks = torch.autograd.functional.hessian(total_loss, (x[0][:, 0], x[1][:, 0]))
+    for rank, r in enumerate(collectives_results):
+        expected = {
+            "all_reduce": t[0] + t[1],
+            "all_gather": torch.cat(t),
+            "all_gather_dim1": torch.cat(t, 1),
+            "reduce_scatter": (t[0] + t[1])[2 * rank : 2 * rank + 2],
+            "all_to_all": torch.cat([t[0][2 * rank : 2 * rank + 2], t[1][2 * rank : 2 * rank + 2]]),
+            "broadcast": t[1],
+            "raw_all_gather_autograd": torch.cat(t),
+        }
+        for name, tangent in expected.items():
+            torch.testing.assert_close(r["jvp"][name], tangent, msg=name)
+        torch.testing.assert_close(r["jvp_sin"], torch.cos(x[0] + x[1]) * (t[0] + t[1]) * w[rank][:4])
+        xs = [c["x"] for c in collectives_results]
+        torch.testing.assert_close(r["vmap_jvp"], torch.cat([xs[0].cos(), xs[1].cos()], 1))
+        torch.testing.assert_close(r["jacfwd_all_gather"], torch.cat([torch.eye(2, dtype=DT)] * WORLD))
+        # jacfwd puts the same basis tangent on every rank: the sum of this rank's row of blocks
+        torch.testing.assert_close(r["hessian"], blocks[rank][0] + blocks[rank][1])
+        # reverse over reverse: the vjps sum over ranks (the Hessian of the total is symmetric)
+        torch.testing.assert_close(r["jacrev_jacrev"], blocks[0][rank] + blocks[1][rank])
+        for i, row in enumerate(r["vmap_grad_grad"]):  # each sample's own collectives
+            v = [c["x"][i, :, 0] for c in collectives_results]
+            h = torch.autograd.functional.hessian(total_loss, (v[0], v[1]))
+            torch.testing.assert_close(row, (h[0][rank] + h[1][rank]).sum(0))
+        assert "only supports 'sum'" in r["jvp_max_error"], r.get("jvp_max_error")
 
 
 # -- errors -------------------------------------------------------------------------------------

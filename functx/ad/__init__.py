@@ -2,6 +2,7 @@
 mode, plus the Jacobian/Hessian transforms built from them."""
 
 from . import custom_function  # noqa: F401  (autograd.Function at grad and jvp levels)
+from . import library_ops  # noqa: F401  (torch.library operators keep their tangents)
 from .forward import hessian, jacfwd, jvp, linearize
 from .reverse import grad, grad_and_value, jacrev, vjp
 

@@ -27,6 +27,7 @@ from .choose import choose_level
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 from . import wrapped_forward
+from .library_ops import prepare_forward_mode
 from .wrapped_forward import NO_FORWARD_FORMULA
 
 _JVP = "jvp(f, primals, tangents)"
@@ -89,6 +90,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
                 f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
             )
     with functx_code():
+        prepare_forward_mode()
         level = choose_level(transform, (flat_primals, flat_tangents))
     with outside_inference_mode(), dual_level(), _set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():

@@ -35,6 +35,7 @@ custom backward still holds.
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import warnings
 import weakref
@@ -269,7 +270,7 @@ def _per_sample(level, function, args, kwargs):
     results = []
     for b in range(level.batch_size):
         sample = optree.tree_map(lambda a: a._value[b] if level.is_batched(a) else a, args, none_is_leaf=True)
-        results.append(function.apply(*sample, **kwargs))  # one level down
+        results.append(_settled(function.apply(*sample, **kwargs)))  # one level down
     first = results[0]
     if isinstance(first, torch.Tensor):
         return level.wrap(torch.stack(results))
@@ -279,6 +280,16 @@ def _per_sample(level, function, args, kwargs):
             for i, o in enumerate(first)
         )
     return first
+
+
+def _settled(out):
+    """`out` with any collective behind it finished: torch's functional collectives return
+    their output before it is filled (their Functions, e.g. the double backward of
+    all_reduce, run here per sample), and stacking reads it at once."""
+    if "torch.distributed._functional_collectives" not in sys.modules:
+        return out
+    wait = torch.ops._c10d_functional.wait_tensor
+    return optree.tree_map(lambda o: wait(o) if isinstance(o, torch.Tensor) else o, out, none_is_leaf=True)
 
 
 # -- generate_vmap_rule = True ---------------------------------------------------------

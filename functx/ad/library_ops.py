@@ -1,0 +1,144 @@
+"""Forward mode through operators whose autograd comes from `torch.library` (`custom_op`,
+`register_autograd`): never a silently dropped tangent.
+
+torch gives such an operator reverse mode only, and under forward AD its autograd kernel runs
+the operator below autograd and returns an output with no tangent: `jvp`, `jacfwd` and
+`hessian`'s forward half through it were silently zero (torch.func's still are). functx wraps
+those kernels (`forward_aware`): where an input carries a tangent, an operator with a forward
+rule (`register_forward_rule`: functx.distributed gives the linear collectives theirs)
+computes its output's tangent; any other raises torch's own "Trying to use forward AD with"
+error, which functx's forward transforms answer by the double-VJP identity from the
+operator's registered backward (forward.py), and which torch.func users see instead of zeros.
+
+Which kernels: every operator registered after functx is imported (torch builds each such
+kernel with `torch._library.autograd.make_autograd_impl`, which functx wraps here), and those
+registered before (`custom_op`s, and the ones a module names through `wrap_existing`),
+whose kernel is wrapped per backend where the operator's own library keeps it (it goes when
+the operator does).
+
+    >>> import torch, functx
+    >>> @torch.library.custom_op("functx_doc::cube", mutates_args=())
+    ... def cube(x: torch.Tensor) -> torch.Tensor:
+    ...     return x.detach() ** 3
+    >>> _ = cube.register_fake(torch.empty_like)
+    >>> cube.register_autograd(lambda ctx, g: g * 3 * ctx.x ** 2,
+    ...                        setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+    >>> x = torch.tensor([1.0, 2.0])
+    >>> import warnings; warnings.simplefilter("ignore")  # the double-VJP's PerformanceWarning
+    >>> functx.jvp(cube, (x,), (torch.ones(2),))[1]  # 3x²: torch.func gives zeros
+    tensor([ 3., 12.])
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from typing import Callable
+
+import torch
+import torch._library.autograd as _library_autograd
+from torch._library.custom_ops import OPDEFS
+
+from .wrapped_forward import NO_FORWARD_FORMULA
+
+_DUAL_LEVEL = 0  # functx attaches torch-level tangents at torch's one dual level
+_unpack_dual = torch._VF._unpack_dual
+_FORWARD_RULES: dict = {}
+_BACKEND_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradMeta", "AutogradPrivateUse1")
+
+
+def register_forward_rule(op: torch._ops.OpOverload, rule: Callable) -> None:
+    """Give `op` (a torch.library operator) forward mode: `rule(run, primals, tangents,
+    kwargs)` returns `(output, its tangent)`; `primals` are the positional arguments without
+    tangents, `tangents` the same list with each tensor's tangent (None: zero) and None for
+    every other argument, and `run(*args, **kwargs)` runs the operator's own autograd kernel
+    (reverse mode keeps working through the output)."""
+    _FORWARD_RULES[op] = rule
+
+
+def _unpacked(value, part: str):
+    """`value`'s primal or tangent (`part`) at torch's dual level (None: no tangent; lists:
+    a list of them; other arguments: themselves)."""
+    if isinstance(value, torch.Tensor):
+        return getattr(_unpack_dual(value, _DUAL_LEVEL), part)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return [getattr(_unpack_dual(v, _DUAL_LEVEL), part) for v in value]
+    return value if part == "primal" else None
+
+
+def _has_tangent(tangent) -> bool:
+    return tangent is not None and (not isinstance(tangent, list) or any(t is not None for t in tangent))
+
+
+def _attach(out, tangent):
+    if isinstance(out, torch.Tensor):
+        return out if tangent is None else torch._make_dual(out, tangent, level=_DUAL_LEVEL)
+    return type(out)(_attach(o, t) for o, t in zip(out, tangent))
+
+
+def forward_aware(op: torch._ops.OpOverload, kernel: Callable) -> Callable:
+    """`kernel` (an autograd kernel taking the dispatch keyset first) that never drops a tangent."""
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if not torch._C._is_fwd_grad_enabled():
+            return kernel(keyset, *args, **kwargs)
+        tangents = [_unpacked(a, "tangent") for a in args]
+        if not any(_has_tangent(t) for t in tangents) and not any(_has_tangent(_unpacked(v, "tangent")) for v in kwargs.values()):
+            return kernel(keyset, *args, **kwargs)
+        rule = _FORWARD_RULES.get(op)
+        if rule is None or any(_has_tangent(_unpacked(v, "tangent")) for v in kwargs.values()):
+            raise NotImplementedError(
+                f"{NO_FORWARD_FORMULA} {op} that does not support it: a torch.library operator has the reverse-mode "
+                f"formula of its register_autograd only. functx's jvp, jacfwd and hessian compute its tangent from "
+                f"that formula (the double-VJP identity); torch.func cannot."
+            )
+        run = functools.partial(kernel, keyset)
+        out, tangent = rule(run, [_unpacked(a, "primal") for a in args], [t if _has_tangent(t) else None for t in tangents], kwargs)
+        return _attach(out, tangent)
+
+    autograd_kernel.__wrapped__ = kernel
+    return autograd_kernel
+
+
+def _make_forward_aware_autograd_impl(op, info):
+    _forward_aware_ops.add(op)
+    return forward_aware(op, _torch_make_autograd_impl(op, info))
+
+
+def wrap_existing(op: torch._ops.OpOverload, library=None) -> None:
+    """Wrap the autograd kernel torch.library gave `op` before functx was imported, per
+    backend key (they take precedence over the `Autograd` alias it was registered at).
+    `library`: where the wrappers live (the operator's own, so they go with it)."""
+    if op in _forward_aware_ops:
+        return
+    if library is None:
+        library = _libraries.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
+    for key in _BACKEND_AUTOGRAD_KEYS:
+        library.impl(op, forward_aware(op, torch.library.get_kernel(op, key).call_boxed), key, with_keyset=True)
+    _forward_aware_ops.add(op)
+
+
+def prepare_forward_mode() -> None:
+    """Called by every forward transform: the first wraps the `custom_op`s made before functx
+    was imported (here, not at import: it takes ~0.1 s); the forward rules of torch's
+    functional collectives load once they are imported."""
+    global _earlier_wrapped, _collectives_ready
+    if not _earlier_wrapped:
+        _earlier_wrapped = True
+        for opdef in _EARLIER_OPDEFS:
+            if OPDEFS.get(opdef._qualname) is opdef:  # still defined
+                wrap_existing(opdef._opoverload, opdef._lib)
+    if not _collectives_ready and _FUNCTIONAL_COLLECTIVES in sys.modules:
+        _collectives_ready = True
+        importlib.import_module("functx.distributed")  # it registers their rules
+
+
+_FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
+_libraries: dict = {}
+_forward_aware_ops: set = set()
+_earlier_wrapped = False
+_collectives_ready = False
+_EARLIER_OPDEFS = list(OPDEFS.values())
+_torch_make_autograd_impl = _library_autograd.make_autograd_impl
+_library_autograd.make_autograd_impl = _make_forward_aware_autograd_impl  # every later registration
