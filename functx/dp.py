@@ -74,6 +74,19 @@ def clipped_grad(
     if noise_multiplier < 0:
         raise ValueError(f"functx.dp.clipped_grad: noise_multiplier must be >= 0, got {noise_multiplier!r}")
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+    per_call = _layer_gradients(module, loss_fn, inputs, targets, names)
+    norms, ghost_calls, summed_per_sample = _per_sample_norms(module, inputs, per_call)
+    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    grads = _clipped_sums(module, names, clip, ghost_calls, summed_per_sample)
+    if noise_multiplier > 0:
+        _add_noise(grads, noise_multiplier * max_norm, generator)
+    return grads, norms.detach()
+
+
+def _layer_gradients(module, loss_fn, inputs, targets, names) -> list:
+    """One forward recording every parameterised layer's call, one backward to their outputs:
+    each call's `layer_gradients` (what it needs to give per-sample norms and weighted sums)."""
     layers = _layers(module)
     calls, losses = _forward(module, layers, loss_fn, inputs, targets, copy_outputs=False)
     if any(_written_since(call) for call in calls):
@@ -87,7 +100,6 @@ def clipped_grad(
             f"{tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__}: use the loss "
             f"with reduction='none'"
         )
-    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
     _check_parameters_used_in_calls_only(losses, calls, names)
     outputs = [t for call in calls for t in call.outputs()]
     grads = iter(torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else ())
@@ -101,15 +113,21 @@ def clipped_grad(
             received = iter(received)
             grad_output = tuple(next(received) if isinstance(o, Tensor) else None for o in call.output)
         per_call.append(layer_gradients(call.layer, call.args, grad_output, call.kwargs))
-    # A parameter reached by more than one call (a layer called twice, a tied weight): its
-    # per-sample gradient is the sum over the calls, whose norm is not the sum of theirs.
+    return per_call
+
+
+def _per_sample_norms(module, inputs, per_call):
+    """(the (B,) per-sample gradient norms, the calls whose parameters no other call reaches,
+    id(parameter) -> its (B, *shape) per-sample gradients for the others). A parameter
+    reached by more than one call (a layer called twice, a tied weight) has the sum over the
+    calls as its per-sample gradient, whose norm is not the sum of theirs: materialised."""
     reached: dict = {}
     for call in per_call:
         for local in call.names:
             reached.setdefault(id(_member(call.module, local)), []).append(call)
     shared = {pid for pid, seen in reached.items() if len(seen) > 1}
-    norms_sq = torch.zeros(batch, dtype=_dtype(module), device=_device(module, inputs))
-    summed_per_sample: dict = {}  # id(param) -> (B, *shape), for shared parameters
+    norms_sq = torch.zeros(_batch_size(inputs), dtype=_dtype(module), device=_device(module, inputs))
+    summed_per_sample: dict = {}
     ghost_calls = []
     for call in per_call:
         if any(id(_member(call.module, local)) in shared for local in call.names):
@@ -121,10 +139,14 @@ def clipped_grad(
             ghost_calls.append(call)
     for g in summed_per_sample.values():
         norms_sq = norms_sq + g.reshape(g.shape[0], -1).pow(2).sum(1).to(norms_sq.dtype)
-    norms = norms_sq.sqrt()
-    clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return norms_sq.sqrt(), ghost_calls, summed_per_sample
+
+
+def _clipped_sums(module, names, clip, ghost_calls, summed_per_sample) -> dict[str, Tensor]:
+    """Parameter name -> Σ_b clip_b g_b, in the parameters' order (the noise is drawn in it),
+    zeros where the loss does not reach."""
     parameters = dict(module.named_parameters())
-    sums: dict = {}  # name -> the clipped sum, the first contribution kept as it is (no copy)
+    sums: dict = {}  # the first contribution kept as it is (no copy)
 
     def add(name, g):
         g = g.to(parameters[name].dtype)
@@ -135,11 +157,7 @@ def clipped_grad(
             add(names[id(_member(call.module, local))], g)
     for pid, g in summed_per_sample.items():
         add(names[pid], torch.tensordot(clip.to(g.dtype), g, dims=1))
-    # in the parameters' order (the noise is drawn in it); zeros where the loss does not reach
-    grads = {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in parameters.items() if p.requires_grad}
-    if noise_multiplier > 0:
-        _add_noise(grads, noise_multiplier * max_norm, generator)
-    return grads, norms.detach()
+    return {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in parameters.items() if p.requires_grad}
 
 
 def _add_noise(grads: dict[str, Tensor], std: float, generator: torch.Generator | None) -> None:
