@@ -174,7 +174,11 @@ def peak_memory_mib(name, contender) -> float:
         "step(model, x, y); print((dp_sgd.status_kib('VmHWM') - before) / 1024)"
     )
     here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", code, name, contender, here], capture_output=True, text=True, check=True)
+    # glibc's mmap threshold fixed (it otherwise rises as large blocks are freed, after which
+    # they stay in the heap): every tensor over 128 KiB is its own mapping, given back when
+    # freed, so the resident set follows the live tensors rather than the heap's history
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "MALLOC_TRIM_THRESHOLD_": str(128 * 1024)}
+    out = subprocess.run([sys.executable, "-c", code, name, contender, here], capture_output=True, text=True, check=True, env=env)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -202,7 +206,7 @@ def run(quick=False, rounds=None, memory=False, only=None):
         med = {c: timings.median(c) * 1e3 for c in calls}
         ratio = lambda a, b: timings.paired_ratio(a, b) if b in calls else None  # noqa: E731
         mem = {c: peak_memory_mib(name, c) for c in calls} if memory else {}
-        fmt = lambda v, unit="x": "—" if v is None else (f"{v:.2f}x" if unit == "x" else f"{v:.0f}")  # noqa: E731
+        fmt = lambda v, unit="x": "—" if v is None else (f"{v:.2f}x" if unit == "x" else f"{v:.1f}")  # noqa: E731
         rows.append(
             [
                 name,

@@ -5,19 +5,21 @@ DP-SGD needs, per sample, only the norm of its gradient and, for the batch, the 
 one backward to the layers' outputs, with functx's per-layer kernels (functx/kernels): the
 B copies of every parameter gradient that `vmap(grad)` materialises are never made for
 Linear, Embedding, LayerNorm and GroupNorm layers; other layers fall back to `vmap` of their
-own vjp.
+own vjp. Each layer's work is done in the backward, as soon as its output's gradient is
+made (`_Tap`), so that gradient is freed in its turn, as in Opacus's backward hooks.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .kernels import layer_gradients
 
 _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
-NOISE_CHUNK = 1 << 20  # elements of noise drawn at a time
+NOISE_CHUNK = 1 << 16  # elements of noise drawn at a time (a chunk is the transient memory)
 
 
 def clipped_grad(
@@ -75,24 +77,24 @@ def clipped_grad(
         raise ValueError(f"functx.dp.clipped_grad: noise_multiplier must be >= 0, got {noise_multiplier!r}")
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
-    per_call = _layer_gradients(module, loss_fn, inputs, targets, names)
-    norms, ghost_calls, summed_per_sample = _per_sample_norms(module, inputs, per_call)
+    calls = _layer_calls(module, loss_fn, inputs, targets, names)
+    norms, summed_per_sample = _per_sample_norms(module, inputs, calls)
     clip = (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    grads = _clipped_sums(module, names, clip, ghost_calls, summed_per_sample)
+    grads = _clipped_sums(module, names, clip, calls, summed_per_sample)
     if noise_multiplier > 0:
         _add_noise(grads, noise_multiplier * max_norm, generator)
     return grads, norms.detach()
 
 
-def _layer_gradients(module, loss_fn, inputs, targets, names) -> list:
-    """One forward recording every parameterised layer's call, one backward to their outputs:
-    each call's `layer_gradients` (what it needs to give per-sample norms and weighted sums)."""
+def _layer_calls(module, loss_fn, inputs, targets, names) -> list:
+    """One forward recording every parameterised layer's call, one backward through them,
+    each call's per-sample work (`_Call.receive`) done when its output's gradient arrives."""
     layers = _layers(module)
-    calls, losses = _forward(module, layers, loss_fn, inputs, targets, copy_outputs=False)
+    anchor = torch.zeros((), requires_grad=True)  # what the backward is taken to (`_Tap`)
+    calls, losses = _forward(module, layers, loss_fn, inputs, targets, anchor, copy_inputs=False)
     if any(_written_since(call) for call in calls):
-        # a layer's output (or input) written in place after the call (ReLU(inplace=True)):
-        # the gradient of the output as it was is needed; again, handing on a copy
-        calls, losses = _forward(module, layers, loss_fn, inputs, targets, copy_outputs=True)
+        # a layer's input written in place after the call: record copies instead
+        calls, losses = _forward(module, layers, loss_fn, inputs, targets, anchor, copy_inputs=True)
     batch = _batch_size(inputs)
     if not isinstance(losses, Tensor) or losses.shape != (batch,):
         raise ValueError(
@@ -101,48 +103,53 @@ def _layer_gradients(module, loss_fn, inputs, targets, names) -> list:
             f"with reduction='none'"
         )
     _check_parameters_used_in_calls_only(losses, calls, names)
-    outputs = [t for call in calls for t in call.outputs()]
-    grads = iter(torch.autograd.grad(losses.sum(), outputs, allow_unused=True) if outputs else ())
-    per_call = []
+    for call in calls:  # the inputs themselves, and the graph, are the backward's to free
+        call.versions = call.input_nodes = None
+    _mark_shared(calls)
+    if losses.requires_grad and any(call.node is not None for call in calls):
+        torch.autograd.grad(losses.sum(), anchor, allow_unused=True)
     for call in calls:
-        received = [next(grads) for _ in call.outputs()]
-        received = [torch.zeros_like(t) if g is None else g.detach() for t, g in zip(call.outputs(), received)]
-        if isinstance(call.output, Tensor):
-            grad_output = received[0]
-        else:  # None for the output's non-tensor items
-            received = iter(received)
-            grad_output = tuple(next(received) if isinstance(o, Tensor) else None for o in call.output)
-        per_call.append(layer_gradients(call.layer, call.args, grad_output, call.kwargs))
-    return per_call
+        if call.norms_sq is None and call.per_sample is None:  # no gradient reached it
+            call.receive((None,) * len(call.tapped))
+    return calls
 
 
-def _per_sample_norms(module, inputs, per_call):
-    """(the (B,) per-sample gradient norms, the calls whose parameters no other call reaches,
-    id(parameter) -> its (B, *shape) per-sample gradients for the others). A parameter
-    reached by more than one call (a layer called twice, a tied weight) has the sum over the
-    calls as its per-sample gradient, whose norm is not the sum of theirs: materialised."""
+def _mark_shared(calls) -> None:
+    """A parameter reached by more than one call (a layer called twice, a tied weight) has
+    the sum over the calls as its per-sample gradient, whose norm is not the sum of theirs:
+    those calls' per-sample gradients are materialised."""
     reached: dict = {}
-    for call in per_call:
-        for local in call.names:
-            reached.setdefault(id(_member(call.module, local)), []).append(call)
-    shared = {pid for pid, seen in reached.items() if len(seen) > 1}
+    for call in calls:
+        for _, p in _trainable(call.layer):
+            reached[id(p)] = reached.get(id(p), 0) + 1
+    for call in calls:
+        call.shared = any(reached[id(p)] > 1 for _, p in _trainable(call.layer))
+
+
+def _trainable(layer: nn.Module) -> list:
+    """(local name, tensor) of the layer's trainable parameters (as `LayerGradients.names`;
+    a functional state's swapped-in tensors included)."""
+    return [(n, _member(layer, n)) for n, p in layer.named_parameters() if p.requires_grad]
+
+
+def _per_sample_norms(module, inputs, calls):
+    """(the (B,) per-sample gradient norms, id(parameter) -> its (B, *shape) per-sample
+    gradients summed over the calls, for the shared parameters)."""
     norms_sq = torch.zeros(_batch_size(inputs), dtype=_dtype(module), device=_device(module, inputs))
     summed_per_sample: dict = {}
-    ghost_calls = []
-    for call in per_call:
-        if any(id(_member(call.module, local)) in shared for local in call.names):
-            for local, g in call.per_sample().items():
-                pid = id(_member(call.module, local))
+    for call in calls:
+        if call.shared:
+            for local, g in call.per_sample.items():
+                pid = id(_member(call.layer, local))
                 summed_per_sample[pid] = summed_per_sample[pid] + g if pid in summed_per_sample else g
         else:
-            norms_sq = norms_sq + call.norms_sq().to(norms_sq.dtype)
-            ghost_calls.append(call)
+            norms_sq = norms_sq + call.norms_sq.to(norms_sq.dtype)
     for g in summed_per_sample.values():
         norms_sq = norms_sq + g.reshape(g.shape[0], -1).pow(2).sum(1).to(norms_sq.dtype)
-    return norms_sq.sqrt(), ghost_calls, summed_per_sample
+    return norms_sq.sqrt(), summed_per_sample
 
 
-def _clipped_sums(module, names, clip, ghost_calls, summed_per_sample) -> dict[str, Tensor]:
+def _clipped_sums(module, names, clip, calls, summed_per_sample) -> dict[str, Tensor]:
     """Parameter name -> Σ_b clip_b g_b, in the parameters' order (the noise is drawn in it),
     zeros where the loss does not reach."""
     parameters = dict(module.named_parameters())
@@ -152,10 +159,13 @@ def _clipped_sums(module, names, clip, ghost_calls, summed_per_sample) -> dict[s
         g = g.to(parameters[name].dtype)
         sums[name] = g if name not in sums else sums[name].add_(g)
 
-    for call in ghost_calls:
-        for local, g in call.weighted_sum(clip).items():
-            add(names[id(_member(call.module, local))], g)
-    for pid, g in summed_per_sample.items():
+    for call in calls:
+        if not call.shared:
+            for local, g in call.gradients.weighted_sum(clip).items():
+                add(names[id(_member(call.layer, local))], g)
+            call.gradients = None  # its inputs and output gradient, freed before the noise
+    for pid in list(summed_per_sample):
+        g = summed_per_sample.pop(pid)
         add(names[pid], torch.tensordot(clip.to(g.dtype), g, dims=1))
     return {name: sums[name] if name in sums else torch.zeros_like(p) for name, p in parameters.items() if p.requires_grad}
 
@@ -221,32 +231,104 @@ def _layers(module: nn.Module) -> list:
 
 
 class _Call:
-    """One call of a layer: its inputs (detached), its output, and what is needed to check
-    them afterwards (versions: written in place since?; the inputs' graph nodes)."""
+    """One call of a layer: its inputs (detached), where its output's differentiable
+    tensors are (`tapped`: their positions in the output's flattened leaves), and, once
+    their gradients arrive, the call's per-sample work: its squared norms and what its
+    weighted sum reads (`gradients`), or for a shared parameter its per-sample gradients."""
 
-    __slots__ = ("layer", "args", "kwargs", "output", "versions", "input_nodes")
+    __slots__ = (
+        "layer", "args", "kwargs", "versions", "input_nodes", "structure", "tapped", "templates",
+        "node", "shared", "gradients", "norms_sq", "per_sample",
+    )  # fmt: skip
 
-    def __init__(self, layer, args, kwargs, output):
+    def __init__(self, layer, args, kwargs, output, copy_inputs: bool):
+        keep = (lambda t: t.detach().clone()) if copy_inputs else (lambda t: t.detach())
         self.layer = layer
-        self.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        self.kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-        self.output = output
+        self.args = tuple(keep(a) if isinstance(a, Tensor) else a for a in args)
+        self.kwargs = {k: keep(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-        self.versions = [(t, t._version) for t in (*inputs, *self.outputs())]
+        self.versions = [(t, t._version) for t in inputs]
         self.input_nodes = [a.grad_fn for a in inputs if a.grad_fn is not None]
+        leaves, _ = pytree.tree_flatten(output)
+        self.tapped = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+        self.templates = {i: (t.shape, t.dtype, t.device) for i, t in enumerate(leaves) if isinstance(t, Tensor)}
+        # output -> which leaves are its top-level tensors (the ones a kernel reads): None
+        # for a top-level item that is not a tensor (a nested tuple: an LSTM's (h_n, c_n))
+        if isinstance(output, Tensor):
+            self.structure = 0
+        else:
+            self.structure, at = [], 0
+            for item in output:
+                self.structure.append(at if isinstance(item, Tensor) else None)
+                at += len(pytree.tree_flatten(item)[0])
+        self.node = self.gradients = self.norms_sq = self.per_sample = None
+        self.shared = False
 
-    def outputs(self) -> list:
-        return [self.output] if isinstance(self.output, Tensor) else [o for o in self.output if isinstance(o, Tensor)]
+    def receive(self, grads: tuple) -> None:
+        """The gradients of the tapped leaves (None where the loss does not reach): the
+        per-sample work, after which the output gradient is dropped unless the weighted sum
+        reads it (LayerGradients.release)."""
+        received = dict(zip(self.tapped, grads))
+        nested = [i for i, g in received.items() if g is not None and i not in self._top_level()]
+        if nested:
+            raise ValueError(
+                f"functx.dp.clipped_grad: the loss depends on a tensor nested inside {type(self.layer).__name__}'s "
+                f"output (in a tuple within it, as an LSTM's (h_n, c_n)); per-sample gradients read only the output's top-level, batch-"
+                f"first tensors: use those instead (for a one-layer, one-direction LSTM, output[:, -1] is h_n[-1])"
+            )
+
+        def grad_of(leaf):
+            if received.get(leaf) is not None:
+                return received[leaf]
+            shape, dtype, device = self.templates[leaf]  # not reached: zeros
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if self.structure == 0:
+            grad_output = grad_of(0)
+        else:
+            grad_output = tuple(None if leaf is None else grad_of(leaf) for leaf in self.structure)
+        gradients = layer_gradients(self.layer, self.args, grad_output, self.kwargs)
+        self.args = self.kwargs = None
+        if self.shared:
+            self.per_sample = gradients.per_sample()
+        else:
+            self.norms_sq = gradients.norms_sq()
+            gradients.release()
+            self.gradients = gradients
+
+    def _top_level(self) -> set:
+        return {0} if self.structure == 0 else {leaf for leaf in self.structure if leaf is not None}
 
 
 def _written_since(call: _Call) -> bool:
     return any(t._version != version for t, version in call.versions)
 
 
-def _forward(module, layers, loss_fn, inputs, targets, copy_outputs: bool):
-    """The per-sample losses, with every call of `layers` recorded (forward hooks, removed
-    after, also on errors). `copy_outputs`: later code gets a copy of each layer's output,
-    so that writes into it leave the recorded one as it was."""
+class _Tap(torch.autograd.Function):
+    """Identity on a layer call's differentiable output tensors, whose backward hands their
+    gradients to the call (`_Call.receive`) as autograd makes them: each layer's per-sample
+    work is done in its turn and its output gradient freed, rather than every output and
+    its gradient held until one backward returns. The outputs are copies (the caller may
+    write into them in place, which a view made here may not be). `anchor`, a leaf input
+    of every tap, is what the backward is taken to, so autograd runs exactly the nodes from
+    the loss down to the taps: no parameter's gradient, nothing below the first layer."""
+
+    @staticmethod
+    def forward(ctx, call, anchor, *outputs):
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.receive(grads)
+        return (None, None, *grads)
+
+
+def _forward(module, layers, loss_fn, inputs, targets, anchor, copy_inputs: bool):
+    """The per-sample losses, with every call of `layers` recorded and its output's
+    differentiable tensors passed on through a `_Tap` (forward hooks, removed after, also on
+    errors). `copy_inputs`: record copies of the layers' inputs (written in place later)."""
     calls: list = []
 
     batch = _batch_size(inputs)
@@ -260,20 +342,24 @@ def _forward(module, layers, loss_fn, inputs, targets, copy_outputs: bool):
                     f"functx.dp.clipped_grad: {type(layer).__name__} returned {type(output).__name__}; layers "
                     f"owning parameters must return a tensor or a tuple of tensors"
                 )
-            call = _Call(layer, args, kwargs, output)
-            for t in (*(a for a in args if isinstance(a, Tensor)), *call.outputs()):
+            tops = [output] if isinstance(output, Tensor) else [o for o in output if isinstance(o, Tensor)]
+            for t in (*(a for a in args if isinstance(a, Tensor)), *tops):
                 if t.dim() == 0 or t.shape[0] != batch:
                     raise ValueError(
                         f"functx.dp.clipped_grad: {type(layer).__name__} was called with or returned a tensor of "
                         f"shape {tuple(t.shape)}, whose first dim is not the batch ({batch}): per-sample gradients "
                         f"need every layer to keep the batch first (e.g. batch_first=True)"
                     )
+            call = _Call(layer, args, kwargs, output, copy_inputs)
             calls.append(call)
-            if not copy_outputs:
+            if not call.tapped:
                 return None
-            if isinstance(output, Tensor):
-                return output.clone()
-            return type(output)(o.clone() if isinstance(o, Tensor) else o for o in output)
+            leaves, spec = pytree.tree_flatten(output)
+            tapped = _Tap.apply(call, anchor, *(leaves[i] for i in call.tapped))
+            call.node = tapped[0].grad_fn
+            for i, t in zip(call.tapped, tapped):
+                leaves[i] = t
+            return pytree.tree_unflatten(leaves, spec)
 
         return record
 
@@ -293,11 +379,7 @@ def _check_parameters_used_in_calls_only(losses, calls, names) -> None:
     outside its layer's forward (`h @ layer.weight`), where no kernel sees it. Refuse."""
     if not isinstance(losses, Tensor) or losses.grad_fn is None:
         return
-    over = {}
-    for call in calls:
-        for output in call.outputs():
-            if output.grad_fn is not None:
-                over.setdefault(output.grad_fn, []).extend(call.input_nodes)
+    over = {call.node: call.input_nodes for call in calls if call.node is not None}
     stack, seen = [losses.grad_fn], set()
     while stack:
         node = stack.pop()

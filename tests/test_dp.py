@@ -112,6 +112,76 @@ def test_in_place_writes_into_a_layer_output():
     assert_matches(model, x, y, 0.3)
 
 
+def test_a_layer_input_written_in_place_after_the_call():
+    """The first layer's input is written after its call. Its weight gradient needs the
+    input as it was, and the backward never runs that layer's own node (nothing below the
+    first layer's output is differentiated), so autograd's version check does not catch it
+    (torch's own backward would refuse this program): the recorded input must be a copy.
+    The reference: the same model writing out of place (the same function)."""
+
+    class WritesInput(nn.Module):
+        def __init__(self, in_place):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.in_place = in_place
+
+        def forward(self, x):
+            x = x.clone()
+            h = torch.tanh(self.first(x))
+            x = x.mul_(3.0) if self.in_place else x * 3.0
+            return self.second(h + x)
+
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 2, (6,))
+    model = WritesInput(in_place=True).to(DT)
+    grads, norms = functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=0.3)
+    model.in_place = False
+    expected, expected_norms = reference(model, per_sample_loss, x, y, 0.3)
+    torch.testing.assert_close(norms, expected_norms)
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], msg=name)
+
+
+def test_tuple_outputs_and_outputs_nested_in_them():
+    """A layer returning a named tuple, one item unused (its gradient: zeros); the loss
+    reaching a tensor nested inside an output tuple (an LSTM's (h_n, c_n), batch not first)
+    is refused with what to use instead, not silently dropped."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "main extra")
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+
+        def forward(self, x):
+            out = self.lin(x)
+            return Pair(torch.tanh(out), out.pow(2))
+
+    class UsesMain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads, self.out = TwoHeads(), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.out(self.heads(x).main)
+
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    assert_matches(UsesMain().to(DT), x, y, 0.4)
+
+    class LastState(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 3)
+
+        def forward(self, x):
+            _, (h, _) = self.rnn(x)
+            return self.head(h[-1])
+
+    with pytest.raises(ValueError, match=r"nested inside LSTM's output.*output\[:, -1\]"):
+        functx.dp.clipped_grad(LastState().to(DT), per_sample_loss, torch.randn(5, 7, 4, dtype=DT), y, max_norm=1.0)
+
+
 class Encoder(nn.Module):
     """An embedding, a TransformerEncoderLayer (its MultiheadAttention reads `out_proj`'s
     parameters without calling it: one layer with its submodules, materialised), a head."""

@@ -7,13 +7,18 @@ both and answers, without materialising B copies of every parameter gradient:
 
 - `norms_sq()`: ‖∂ℓ_b/∂θ‖² summed over the layer's parameters, per sample;
 - `weighted_sum(c)`: Σ_b c_b ∂ℓ_b/∂θ per parameter (the clipped sum of DP-SGD);
-- `per_sample()`: the per-sample gradients themselves (for a parameter the layer shares).
+- `per_sample()`: the per-sample gradients themselves (for a parameter the layer shares);
+- `release()`: after the norms, drop what the sum will not read (functx.dp calls it in the
+  backward, so a layer's output gradient does not outlive its turn).
 
 Per layer type:
 - Linear, 2-D input: the weight gradient is the outer product g_b a_bᵀ, so its norm is
   ‖g_b‖·‖a_b‖. On sequences (B, T, d): ‖Σ_t g_bt a_btᵀ‖² = ⟨A_b A_bᵀ, G_b G_bᵀ⟩ (the "ghost
-  norm"), in row blocks so the T×T products are never held whole, when 2T² < d_in·d_out;
-  otherwise materialised a few samples at a time. The sum is one GEMM: (c ⊙ G)ᵀ A.
+  norm"), in row blocks so the T×T products are never held whole. The sum is one GEMM:
+  (c ⊙ G)ᵀ A, so A and G are kept until the weights c are known, unless the per-sample
+  gradients are no larger (d_in·d_out <= T·(d_in + d_out): long sequences): then they are
+  made at once (one batched GEMM), give the norms and the sum, and A and G are freed
+  (`release`). Where A and G are kept, 2T² < d_in·d_out follows: the ghost norm pays.
 - Embedding: sample b's gradient has a row per distinct id, the sum of its tokens' output
   gradients; the rows are summed by (sample, id) keys, never as a dense (B, V, D).
 - Conv1d / Conv2d (one group, zero padding), where 2L² < C·k·O (few output positions, a
@@ -96,6 +101,14 @@ class LayerGradients:
         """name -> Σ_b weights[b] · (sample b's gradient)."""
         return {n: torch.tensordot(weights.to(g.dtype), g, dims=1) for n, g in self.per_sample().items()}
 
+    def release(self) -> None:
+        """Keep only what `weighted_sum` reads, once the norms are taken (DP-SGD's weights
+        come after every layer's norms). Here that is the per-sample gradients: the inputs
+        and the output gradient are dropped (a convolution's output gradient is often larger
+        than its per-sample weight gradients)."""
+        self.per_sample()
+        self.args = self.kwargs = self.grad_output = None
+
 
 def _rows(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """(B, *, d) -> (B, T, d): the positions between batch and features as one dim."""
@@ -122,7 +135,21 @@ class LinearGradients(LayerGradients):
             out["bias"] = g.sum(1)
         return out
 
+    @functools.cached_property
+    def _materialised(self) -> bool:
+        """Whether the per-sample gradients (B·(d_out·d_in + d_out) numbers) take no more
+        memory than the inputs and output gradient the sum otherwise keeps until every
+        layer's norm is known (B·T·(d_in + d_out)): on long sequences they do. Made once (one
+        batched GEMM, as many flops as the sum's), they give the norms and the sum, and the
+        inputs and output gradient are freed in the backward (LayerGradients.release)."""
+        a, g = self._parts
+        weight = "weight" in self.names
+        per_sample = (a.shape[2] * g.shape[2] if weight else 0) + ("bias" in self.names) * g.shape[2]
+        return per_sample <= a.shape[1] * ((a.shape[2] if weight else 0) + g.shape[2])
+
     def norms_sq(self):
+        if self._materialised:
+            return super().norms_sq()
         a, g = self._parts
         total = torch.zeros(self.batch, dtype=g.dtype, device=g.device)
         if "bias" in self.names:
@@ -131,7 +158,16 @@ class LinearGradients(LayerGradients):
             return total
         return total + ops.linear_weight_norms_sq(a, g)  # outer product, ghost norm or materialised
 
+    def release(self):
+        """Materialised: the base's (keep the per-sample gradients only). Otherwise the sum is
+        one GEMM of the inputs and the output gradient: both kept."""
+        if self._materialised:
+            super().release()
+            del self._parts
+
     def weighted_sum(self, weights):
+        if self._materialised:
+            return super().weighted_sum(weights)
         a, g = self._parts
         out = {}
         if "weight" in self.names:
@@ -196,6 +232,9 @@ class EmbeddingGradients(LayerGradients):
     def norms_sq(self):
         ids, g = self._tokens()
         return ops.embedding_norms_sq(ids, g, self.module.num_embeddings, self.module.padding_idx)
+
+    def release(self):
+        """The sum reads the ids and the output gradient: both kept."""
 
     def weighted_sum(self, weights):
         ids, g = self._tokens()

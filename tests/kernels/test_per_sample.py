@@ -42,6 +42,15 @@ def check(layer, a, g, weights, kernel=None):
     summed = kernel.weighted_sum(weights)
     for name in expected:
         torch.testing.assert_close(summed[name], torch.tensordot(weights, expected[name], dims=1), msg=name)
+    # as functx.dp runs it: the norms, then `release` (what the sum does not read is
+    # dropped in the backward), then the sum
+    fresh = type(kernel)(kernel.module, (a,), g)
+    torch.testing.assert_close(fresh.norms_sq(), norms)
+    fresh.release()
+    summed = fresh.weighted_sum(weights)
+    for name in expected:
+        torch.testing.assert_close(summed[name], torch.tensordot(weights, expected[name], dims=1), msg=name)
+    return fresh
 
 
 dims = st.integers(1, 6)
@@ -60,16 +69,21 @@ def test_linear(batch, steps, d_in, d_out, bias, seed):
 
 @pytest.mark.parametrize("path", ["ghost", "materialised", "ghost in blocks"])
 def test_linear_sequence_paths(path, monkeypatch):
-    """2T² < d_in·d_out takes the ghost norm; the other side materialises; a small block
-    budget splits the T×T products into row blocks (and the materialised chunks)."""
+    """Per-sample gradients no larger than the inputs and output gradient (B·d_out·d_in <=
+    B·T·(d_in + d_out): long sequences) are materialised, and only they kept after the norms;
+    otherwise the ghost norm (2T² < d_in·d_out then holds), the inputs and output gradient
+    kept for the sum; a small block budget splits the T×T products into row blocks."""
     torch.manual_seed(1)
     steps, d = (3, 8) if path != "materialised" else (9, 2)
     if path == "ghost in blocks":
         monkeypatch.setattr(ops, "BLOCK_ELEMENTS", 7)
     layer = nn.Linear(d, d).to(DT)
     a, g = torch.randn(4, steps, d, dtype=DT), torch.randn(4, steps, d, dtype=DT)
-    assert (2 * steps * steps < d * d) == (path != "materialised")
-    check(layer, a, g, torch.rand(4, dtype=DT))
+    kernel = check(layer, a, g, torch.rand(4, dtype=DT))
+    assert kernel._materialised == (path == "materialised")
+    assert (kernel.grad_output is None) == (path == "materialised")  # released, or kept for the sum
+    if path != "materialised":
+        assert 2 * steps * steps < d * d  # the ghost norm pays
 
 
 @settings(max_examples=25, deadline=None)
