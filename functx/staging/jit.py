@@ -38,7 +38,9 @@ Semantics, as jax.jit's where they can be:
   equals eager's. Once: a second backward through the jitted function's backward raises
   torch's "does not currently support double backward". Put the higher-order transform
   inside the jitted function instead (`jit(hessian(f))`, `jit(grad(grad(f)))`).
-- **With inductor**, functx's graph rewrites run first among inductor's post-grad passes
+- **With inductor**, the wrapper that calls the kernels is C++ for a CPU graph of many small
+  ops and inductor's Python one otherwise (`overhead_bound`; `options={"cpp_wrapper": ...}`
+  decides instead), and functx's graph rewrites run first among inductor's post-grad passes
   (graph_passes.py: a product with per-element copies of one shared weight, which vmap's
   `grad` makes of an unbatched input, becomes a product with that weight); a
   `post_grad_custom_pre_pass` given in `options` runs after them.
@@ -88,10 +90,11 @@ def jit(fn=None, *, static_argnums=(), backend=None, dynamic=False, debug=None, 
         debug: print each trace (default: the `FUNCTX_JIT_DEBUG` environment variable).
         mode, options: the compiler's settings, as torch.compile's (`backend="inductor"`:
             `mode="max-autotune-no-cudagraphs"`, `options={"cpp_wrapper": True}`; other
-            backends receive them as keyword arguments). `{"cpp_wrapper": True}` makes
-            inductor's replay C++ instead of one Python call per kernel: on graphs of many
-            small ops (a MAML step, a small Hessian) 0.75-0.9x the default's time, for a
-            longer first call (a MAML step: +10 s). No settings with `backend=None`.
+            backends receive them as keyword arguments). With inductor, functx chooses the
+            wrapper per graph unless `cpp_wrapper` is given: C++ (the replay without one
+            Python call per kernel) for CPU graphs of many small ops (`overhead_bound`: a
+            MAML step, a small Hessian: 0.78-0.88x the Python wrapper's time, for a longer
+            first compile), inductor's Python wrapper otherwise. No settings with `backend=None`.
 
     Usable as a decorator, bare or with arguments.
 
@@ -136,7 +139,8 @@ def _resolve_backend(backend, mode, options, dynamic):
 
         return lookup_backend("aot_eager")
     if backend == "inductor":
-        return torch._TorchCompileInductorWrapper(mode, _with_graph_passes(options), dynamic)  # unknown options raise here
+        chooses = options is None or "cpp_wrapper" not in options
+        return _Inductor(mode, _with_graph_passes(options), dynamic, chooses)  # unknown options raise here
     if isinstance(backend, str) or callable(backend):
         return torch._TorchCompileWrapper(backend, mode, options, dynamic)
     raise TypeError(f"functx.jit: backend must be None, a backend name or a callable, got {backend!r}")
@@ -153,6 +157,72 @@ def _with_graph_passes(options):
     options = dict(options or {})
     options["post_grad_custom_pre_pass"] = graph_passes.SharedWeights(then=options.get("post_grad_custom_pre_pass"))
     return options
+
+
+class _Inductor(torch._TorchCompileInductorWrapper):
+    """Inductor, choosing the wrapper (the code that calls the kernels) per traced graph,
+    forward and backward each, unless `options` set `cpp_wrapper`: C++ for a CPU graph of
+    many small ops (`overhead_bound`), Python otherwise (inductor's default).
+
+    Inductor's default wrapper makes one Python call per kernel and per buffer, ~1-3 us
+    each: on a MAML step (536 ops of ~1,400 elements each) that is most of the time, and the
+    C++ wrapper runs it in 0.78x the time (jax.jit's territory); on graphs of large ops it
+    changes nothing measurable and costs seconds of C++ compile on the first call."""
+
+    def __init__(self, mode, options, dynamic, chooses: bool):
+        super().__init__(mode, options, dynamic)
+        self.chooses = chooses
+
+    def __call__(self, model_, inputs_, *, config_patches=None):
+        if not self.chooses:
+            return super().__call__(model_, inputs_, config_patches=config_patches)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(
+            model_,
+            inputs_,
+            config_patches={**self.config, **(config_patches or {})},
+            compile_region_name=self.name,
+            inner_compile=_compile_choosing_wrapper,
+        )
+
+
+def _compile_choosing_wrapper(graph_module, example_inputs, **kwargs):
+    """Inductor's compile of one flat graph (AOTAutograd's forward or backward), with the
+    C++ wrapper where `overhead_bound` says it pays."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if not kwargs.get("cpp_wrapper") and not kwargs.get("fx_wrapper") and overhead_bound(graph_module, example_inputs):
+        kwargs["cpp_wrapper"] = True
+    return compile_fx_inner(graph_module, example_inputs, **kwargs)
+
+
+CPP_WRAPPER_MIN_OPS = 32  # below, the wrapper's per-op cost is small next to dynamo's per call
+CPP_WRAPPER_MAX_ELEMENTS_PER_OP = 8192  # above, the ops' own work hides the wrapper's
+
+
+def overhead_bound(graph_module, example_inputs) -> bool:
+    """Whether a flat CPU graph is many small ops: at least `CPP_WRAPPER_MIN_OPS` ops
+    making tensors, of at most `CPP_WRAPPER_MAX_ELEMENTS_PER_OP` output elements on average.
+    Measured on the benchmark suite's graphs (ops, elements per op): MAML (536, 1442) and a
+    Hessian of an R^128 MLP (60, 3994) are chosen, and run in 0.78x and 0.88x the time with
+    the C++ wrapper; a tiny vmap(grad) (18, 63), per-sample Jacobians (31, 12955) and the
+    rest (>= 22k elements per op) are not, and ran within 0.94-1.02x either way."""
+    if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in example_inputs):
+        return False
+    ops = elements = 0
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        value = node.meta.get("val")
+        tensors = [t for t in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(t, torch.Tensor)]
+        if tensors:
+            ops += 1
+            elements += sum(t.numel() for t in tensors)
+    try:
+        return ops >= CPP_WRAPPER_MIN_OPS and elements <= CPP_WRAPPER_MAX_ELEMENTS_PER_OP * ops
+    except TypeError:  # symbolic sizes (dynamic=True) that do not compare: the default
+        return False
 
 
 def _own_frame(target, name):

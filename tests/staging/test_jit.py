@@ -173,6 +173,53 @@ def test_compiler_settings_reach_the_compiler(monkeypatch):
     torch.testing.assert_close(out, expected)
 
 
+def test_inductor_chooses_the_cpp_wrapper_for_graphs_of_many_small_ops(monkeypatch):
+    """backend="inductor" without a `cpp_wrapper` option: the C++ wrapper for a flat graph of
+    many small ops (a chain of 40 elementwise ops on 6 numbers, under vmap(grad)), Python for
+    a few large ones; an explicit option is obeyed as given. Values equal the plain-torch
+    reference either way."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx_module
+
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)  # so inductor compiles
+    chosen, compile_fx_inner = [], compile_fx_module.compile_fx_inner
+
+    def recording(graph_module, example_inputs, **kwargs):
+        chosen.append(bool(kwargs.get("cpp_wrapper")))
+        return compile_fx_inner(graph_module, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx_inner", recording)
+
+    def chain(w, x):
+        for i in range(20):
+            x = torch.sin(x * w + i)
+        return x.sum()
+
+    w, xs = _randn(3, seed=8), _randn(2, 3, seed=9)
+    expected = torch.stack([torch.autograd.grad(chain(w.requires_grad_(), x), w)[0] for x in xs])
+    w = w.detach()
+    small = functx.jit(functx.vmap(functx.grad(chain), in_dims=(None, 0)), backend="inductor")
+    torch.testing.assert_close(small(w, xs), expected)
+    assert chosen == [True]
+
+    chosen.clear()
+    big = _randn(256, 256, seed=10)
+    torch.testing.assert_close(functx.jit(lambda a: (a @ a).sin(), backend="inductor")(big), (big @ big).sin())
+    assert chosen == [False]
+
+    chosen.clear()
+    patches, compile_fx = [], compile_fx_module.compile_fx
+
+    def given(graph_module, example_inputs, *, config_patches=None, **kwargs):
+        patches.append(dict(config_patches or {}))
+        return compile_fx(graph_module, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", given)
+    forced = functx.jit(functx.vmap(functx.grad(chain), in_dims=(None, 0)), backend="inductor", options={"cpp_wrapper": False})
+    torch.testing.assert_close(forced(w, xs), expected)
+    assert patches[0]["cpp_wrapper"] is False and chosen == []  # inductor's own compile, as configured
+
+
 def test_compiler_settings_errors():
     with pytest.raises(ValueError, match="backend=None replays"):
         functx.jit(lambda x: x, mode="max-autotune")
