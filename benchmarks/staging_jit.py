@@ -24,6 +24,8 @@ jit+inductor <= 1.0x jax.jit on MAML and hessian, <= 2x on the micro workload, f
 compile(tf) on every workload; first-call time no worse than compile(tf)'s.
 
 Run:  .venv/bin/python benchmarks/staging_jit.py [--quick] [--threads N] [--only SUBSTRING] [--cpp-wrapper]
+      .venv/bin/python benchmarks/staging_jit.py --cold-first-calls [--only SUBSTRING]
+      (first calls only, each contender in a fresh process with an empty inductor cache)
 (inductor compiles take 5-25 s each on this host: ~5 minutes in all.)
 """
 
@@ -311,6 +313,55 @@ def run(quick=False, n_threads=1, only=None, cpp_wrapper=False):
     return table
 
 
+_COLD_FIRST_CALL = """
+import os, sys, time, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, sys.argv[3])
+import torch, functx
+torch.set_num_threads(int(sys.argv[4]))
+import staging_jit as sj
+sj._warm_up()  # imports and inductor's workers, as in the main run (unrelated kernels)
+make = sj.WORKLOADS[sys.argv[1]][0]
+if sys.argv[2] == "jit+inductor":
+    fn, args = make(functx)
+    fn = functx.jit(fn, backend="inductor")
+else:
+    fn, args = make(torch.func)
+    fn = torch.compile(fn, backend="inductor")
+start = time.perf_counter()
+fn(*args)
+print(time.perf_counter() - start)
+"""
+
+
+def cold_first_calls(n_threads=1, only=None):
+    """Each of jit+inductor's and compile(tf)'s first calls in a fresh process with an empty
+    inductor cache of its own (TORCHINDUCTOR_CACHE_DIR; AOTAutograd's cache lives there too):
+    in the main run the second contender's compile finds the first one's C++ kernels (same
+    source, same hash) in the shared cache, which favours whichever runs second."""
+    import subprocess
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rows = []
+    for label in WORKLOADS:
+        if only is not None and only not in label:
+            continue
+        seconds = {}
+        for contender in ("jit+inductor", "compile(tf)"):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+                out = subprocess.run(
+                    [sys.executable, "-c", _COLD_FIRST_CALL, label, contender, here, str(n_threads)],
+                    capture_output=True, text=True, check=True, env=env,
+                )  # fmt: skip
+                seconds[contender] = float(out.stdout.strip().splitlines()[-1])
+        ratio = seconds["jit+inductor"] / seconds["compile(tf)"]
+        rows.append([label, f"{seconds['jit+inductor']:.1f}", f"{seconds['compile(tf)']:.1f}", f"{ratio:.2f}x"])
+    header = ["workload", "jit+inductor first call s", "compile(tf) first call s", "jit+inductor / compile(tf)"]
+    return markdown_table(header, rows)
+
+
 def _block(out):
     if jax is not None:
         leaves = torch.utils._pytree.tree_leaves(out)
@@ -324,6 +375,13 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", default=None)
     parser.add_argument("--cpp-wrapper", action="store_true", help="also time inductor's cpp_wrapper option")
+    parser.add_argument(
+        "--cold-first-calls", action="store_true", help="only first calls, each in a fresh process with an empty cache"
+    )
     arguments = parser.parse_args()
+    if arguments.cold_first_calls:
+        print(f"## functx.jit first calls, cold caches, {arguments.threads} thread(s)\n")
+        print(cold_first_calls(arguments.threads, arguments.only))
+        raise SystemExit
     print(f"## functx.jit, {arguments.threads} thread(s), jax {'%s' % jax.__version__ if jax else 'not installed'}\n")
     print(run(arguments.quick, arguments.threads, arguments.only, arguments.cpp_wrapper))
