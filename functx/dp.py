@@ -11,6 +11,8 @@ made (`_Tap`), so that gradient is freed in its turn, as in Opacus's backward ho
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -118,18 +120,16 @@ def _mark_shared(calls) -> None:
     """A parameter reached by more than one call (a layer called twice, a tied weight) has
     the sum over the calls as its per-sample gradient, whose norm is not the sum of theirs:
     those calls' per-sample gradients are materialised."""
-    reached: dict = {}
-    for call in calls:
-        for _, p in _trainable(call.layer):
-            reached[id(p)] = reached.get(id(p), 0) + 1
-    for call in calls:
-        call.shared = any(reached[id(p)] > 1 for _, p in _trainable(call.layer))
+    ids = [_trainable_ids(call.layer) for call in calls]
+    reached = collections.Counter(pid for call_ids in ids for pid in call_ids)
+    for call, call_ids in zip(calls, ids):
+        call.shared = any(reached[pid] > 1 for pid in call_ids)
 
 
-def _trainable(layer: nn.Module) -> list:
-    """(local name, tensor) of the layer's trainable parameters (as `LayerGradients.names`;
-    a functional state's swapped-in tensors included)."""
-    return [(n, _member(layer, n)) for n, p in layer.named_parameters() if p.requires_grad]
+def _trainable_ids(layer: nn.Module) -> list:
+    """id() of the layer's trainable parameters (as `LayerGradients.names`; a functional
+    state's swapped-in tensors included)."""
+    return [id(_member(layer, n)) for n, p in layer.named_parameters() if p.requires_grad]
 
 
 def _per_sample_norms(module, inputs, calls):
@@ -273,8 +273,9 @@ class _Call:
         if nested:
             raise ValueError(
                 f"functx.dp.clipped_grad: the loss depends on a tensor nested inside {type(self.layer).__name__}'s "
-                f"output (in a tuple within it, as an LSTM's (h_n, c_n)); per-sample gradients read only the output's top-level, batch-"
-                f"first tensors: use those instead (for a one-layer, one-direction LSTM, output[:, -1] is h_n[-1])"
+                f"output (in a tuple within it, as an LSTM's (h_n, c_n)); per-sample gradients read only the "
+                f"output's top-level, batch-first tensors: use those instead (for a one-layer, one-direction "
+                f"LSTM, output[:, -1] is h_n[-1])"
             )
 
         def grad_of(leaf):

@@ -215,14 +215,13 @@ def overhead_bound(graph_module, example_inputs) -> bool:
         if node.op != "call_function":
             continue
         value = node.meta.get("val")
-        tensors = [t for t in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(t, torch.Tensor)]
-        if tensors:
+        sizes = [t.numel() for t in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(t, torch.Tensor)]
+        if any(not isinstance(size, int) for size in sizes):
+            return False  # symbolic sizes (dynamic=True): comparing them would guard on them; the default
+        if sizes:
             ops += 1
-            elements += sum(t.numel() for t in tensors)
-    try:
-        return ops >= CPP_WRAPPER_MIN_OPS and elements <= CPP_WRAPPER_MAX_ELEMENTS_PER_OP * ops
-    except TypeError:  # symbolic sizes (dynamic=True) that do not compare: the default
-        return False
+            elements += sum(sizes)
+    return ops >= CPP_WRAPPER_MIN_OPS and elements <= CPP_WRAPPER_MAX_ELEMENTS_PER_OP * ops
 
 
 def _own_frame(target, name):
