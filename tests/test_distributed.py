@@ -700,6 +700,64 @@ def test_bad_arguments(tmp_path):
         dist.destroy_process_group()
 
 
+def test_wrapped_collectives_let_other_threads_run():
+    """functx wraps the collectives' autograd kernels (forward mode, functx/ad/library_ops.py);
+    the wrapper must call the kernel it shadows without the GIL, as a plain call does: held,
+    gloo deadlocked (a worker thread holding the queue lock waits for the GIL to free a
+    finished collective's tensors while this thread, holding the GIL, waits for the lock).
+    Seen once in CI, then in 1 of ~5 runs of this file with the CPUs loaded. Checked here
+    directly: a broadcast (torch's autograd fallback; its C++ clone of the input takes tens of
+    ms) must let a spinning Python thread run while it works."""
+    import threading
+
+    import torch.distributed._functional_collectives as funcol
+
+    from functx.ad import library_ops
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        functx.vmap(lambda t: funcol.broadcast(t, 0, dist.group.WORLD))(torch.ones(2, 3))  # installs the wrappers
+        op = torch.ops._c10d_functional.broadcast.default
+        assert op in library_ops._forward_aware_ops
+        big = torch.ones(2**25, dtype=DT)  # 256 MiB: its clone takes tens of ms
+        state = {"longest": 0.0, "stop": False}
+
+        def spin():  # the longest stretch this thread waited for the GIL
+            last = time.perf_counter()
+            while not state["stop"]:
+                now = time.perf_counter()
+                state["longest"], last = max(state["longest"], now - last), now
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        try:
+            waits, clones = [], []
+            for _ in range(3):
+                start = time.perf_counter()
+                big.clone()  # a plain clone (without the GIL): how long the broadcast's own takes
+                clones.append(time.perf_counter() - start)
+                state["longest"] = 0.0
+                out = op(big, 0, dist.group.WORLD.group_name)
+                waits.append(state["longest"])
+                torch.ops._c10d_functional.wait_tensor(out)
+        finally:
+            state["stop"] = True
+            spinner.join()
+        # held, each call makes the spinner wait out its clone (~half of `clones`); let go: at most a
+        # switch interval (5 ms)
+        assert min(waits) < 0.2 * min(clones), f"the spinner waited {waits} s in the broadcasts (clones: {clones} s)"
+        torch.testing.assert_close(out, big)
+        del big, out
+        # a leaf that requires grad: the shadowed kernel still runs (autograd fallback: a grad_fn)
+        leaf = torch.ones(3, dtype=DT, requires_grad=True)
+        reduced = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(leaf * 2, "sum", dist.group.WORLD.group_name))
+        (grad,) = torch.autograd.grad(reduced.sum(), leaf)
+        torch.testing.assert_close(grad, torch.full((3,), 2.0, dtype=DT))
+        assert torch.ops._c10d_functional.wait_tensor(op(leaf, 0, dist.group.WORLD.group_name)).grad_fn is not None
+    finally:
+        dist.destroy_process_group()
+
+
 # -- the tutorial under torchrun ----------------------------------------------------------------
 def test_tutorial_runs_under_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
