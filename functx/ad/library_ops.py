@@ -118,12 +118,17 @@ def wrap_existing(op: torch._ops.OpOverload, library=None) -> None:
         return
     if library is None:
         library = _libraries.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
+    kinds = {  # dispatch key -> how its kernel got there ("autograd kernel]": the Autograd alias's)
+        line.split(":", 1)[0]: line.rsplit("[", 1)[-1]
+        for line in torch._C._dispatch_dump_table(op.name()).splitlines()
+        if ": registered at " in line
+    }
     for key in _BACKEND_AUTOGRAD_KEYS:
-        library.impl(op, forward_aware(op, _shadowed_kernel(op, key)), key, with_keyset=True)
+        library.impl(op, forward_aware(op, _shadowed_kernel(op, key, kinds)), key, with_keyset=True)
     _forward_aware_ops.add(op)
 
 
-def _shadowed_kernel(op: torch._ops.OpOverload, key: str) -> Callable:
+def _shadowed_kernel(op: torch._ops.OpOverload, key: str, kinds: dict) -> Callable:
     """A call of the autograd kernel `op` has at `key`, for the wrapper that shadows it there.
 
     The call must let go of the GIL, as any call of an operator from Python does: torch's
@@ -134,11 +139,6 @@ def _shadowed_kernel(op: torch._ops.OpOverload, key: str) -> Callable:
     would reach the wrapper again; the same kernel also fills `AutogradOther` when it is the
     `Autograd` alias's kernel or torch's autograd fallback, and functx leaves that key alone,
     so the kernel is reached through it."""
-    kinds = {
-        line.split(":", 1)[0]: line.rsplit("[", 1)[-1]
-        for line in torch._C._dispatch_dump_table(op.name()).splitlines()
-        if ": registered at " in line
-    }
     if kinds.get(key) in ("autograd kernel]", "backend fallback]") and kinds.get("AutogradOther") == kinds[key]:
         return functools.partial(_through_autograd_other, op)
     return torch.library.get_kernel(op, key).call_boxed  # a kernel registered at `key` itself: the GIL stays held

@@ -155,6 +155,12 @@ def test_a_custom_op_defined_before_functx_is_imported():
         "x = torch.tensor([0.5, 1.0], dtype=torch.float64)\n"
         "t = functx.jvp(s, (x,), (torch.ones(2, dtype=torch.float64),))[1]\n"
         "assert torch.allclose(t, x.cos()), t\n"
+        "# reverse mode and the plain call reach torch's kernel beneath the wrapper\n"
+        "assert torch.allclose(functx.grad(lambda v: s(v).sum())(x), x.cos())\n"
+        "leaf = x.clone().requires_grad_()\n"
+        "assert torch.allclose(torch.autograd.grad(s(leaf).sum(), leaf)[0], x.cos())\n"
+        "assert torch.allclose(functx.hessian(lambda v: s(v).sum())(x), torch.diag(-x.sin()))\n"
+        "assert torch.allclose(functx.jacfwd(s)(x), torch.diag(x.cos()))\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
