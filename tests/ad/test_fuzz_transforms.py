@@ -780,10 +780,8 @@ ALLOWED_ERRORS = [
 # else; each has a regression case below marked xfail(strict), which starts failing (XPASS)
 # once the bug is fixed, and is named in the issue notes.
 KNOWN_GAPS = [
-    # jvp over hessian(mix=True) of a clone with an indexed write (w = x.clone(); w[0] = ...):
-    # torch's forward AD asserts that a view's tangent has its primal's layout
-    # (autograd_meta.cpp "has_fw_view"): vmap's tangent layout for the written view is not it.
-    re.compile(r"Expected the output of forward differentiable view operations to have the tangent have the same layout"),
+    # none open. (Fixed: jvp over hessian(mix=True) of a clone with an indexed write raised
+    # torch's forward-AD layout assert; test_regression_jvp_of_mixed_hessian_through_an_indexed_write.)
 ]
 
 
@@ -848,11 +846,6 @@ def test_fuzz_with_forward_transforms(case):
     check(case)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: jvp over a mixed hessian of an indexed write into a clone (KNOWN_GAPS)")
-def test_known_gap_jvp_of_mixed_hessian_through_an_indexed_write():
-    check(Case(Program([(3,)], [Op("clone_setitem"), Op("sin")]), [T("jvp", seed=0), T("hessian", argnums=0, seed=0, mix=True)], seed=0))
-
-
 @FUZZ
 @given(cases(PURE_FAMILIES + ["inplace", "detach"], ALL, must_op=EFFECTFUL))
 def test_fuzz_inplace_and_detach(case):
@@ -876,6 +869,16 @@ def test_reference_matches_finite_differences(case):
 # ---------------------------------------------------------------------------------------------
 # Each was the fuzzer's shrunk output (inputs: `Case.inputs()`, seed 0); the docstring says
 # what functx did at 247249c (before the AD-level rewrite) and, where it differs, at f683bff.
+
+
+def test_regression_jvp_of_mixed_hessian_through_an_indexed_write():
+    """jvp over hessian(mix=True) of `w = x.clone(); w[0] = w[0] * 2; sin(w)`: torch's forward
+    AD asserted ("Expected the output of forward differentiable view operations to have the
+    tangent have the same layout as primal", autograd_meta.cpp) in the outer jacrev's backward
+    (at 8faa1f8). vmap's layout check read the storage of a grad level's wrapper, a placeholder
+    sized by the wrapper's own layout (a column of a 3x3: 7 elements, not 9), so a column's
+    tangent was judged laid out unlike the column."""
+    check(Case(Program([(3,)], [Op("clone_setitem"), Op("sin")]), [T("jvp", seed=0), T("hessian", argnums=0, seed=0, mix=True)], seed=0))
 
 
 def test_regression_jvp_of_jvp_with_closure():

@@ -363,3 +363,44 @@ def test_zero_dim_jacobians(transform):
         fd.assert_close(ours, fd.derivative(lambda a: fd.derivative(torch.sin, a, fd.STEP[2]), x, fd.STEP[2]), order=2)
     else:
         fd.assert_close(ours, fd.derivative(torch.sin, x))
+
+
+# jvp of a Hessian whose function reads strided views: the layout of a view's tangent under
+# vmap over grad levels (vmap/rules/autograd_meta.py) decides whether torch's forward AD
+# accepts it; a column of a matrix is a view whose grad-level wrapper has a shorter storage
+# than its value. Reference: central differences of torch.autograd's Hessian (float64).
+STRIDED_PROGRAMS = {
+    "column": lambda x: torch.sin(x.reshape(3, 3)[:, 1]).sum() * x.sum(),
+    "transposed-slice": lambda x: (x.reshape(3, 3).t()[1:] ** 3).sum(),
+    "indexed-write": lambda x: _written(x).sin().sum(),
+    "diagonal": lambda x: torch.exp(x.reshape(3, 3).diagonal()).prod(),
+}
+
+
+def _written(x):
+    w = x.clone()
+    w[0] = w[0] * 2
+    w[4:6] = w[1:3] + x[7] ** 2  # (a product with w[1:3] would save it, then the write changes it)
+    return w
+
+
+def _autograd_hessian(f, x):
+    return torch.autograd.functional.hessian(f, x, create_graph=False)
+
+
+@pytest.mark.parametrize("name", list(STRIDED_PROGRAMS))
+@pytest.mark.parametrize("mix", [False, True], ids=["closed", "mixed"])
+def test_jvp_of_hessian_through_strided_views(name, mix):
+    torch.manual_seed(3)
+    f = STRIDED_PROGRAMS[name]
+    x, t = torch.randn(9, dtype=D), torch.randn(9, dtype=D)
+
+    def closing(x0, hessian):
+        # mixed: the differentiated function closes over the jvp's own input
+        return hessian(lambda y: f(y * (1 + 0.5 * torch.sin(x0)) if mix else y))(x0)
+
+    primal, tangent = functx.jvp(lambda x0: closing(x0, functx.hessian), (x,), (t,))
+    reference = lambda x0: closing(x0, lambda g: lambda y: _autograd_hessian(g, y))  # noqa: E731
+    fd.assert_close(primal, reference(x), order=1)
+    # one difference of an exact (autograd) Hessian: a first-order step and tolerance
+    fd.assert_close(tangent, fd.directional(reference, x, t), order=1)

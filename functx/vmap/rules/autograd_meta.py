@@ -10,12 +10,18 @@ split in `batch_size` equal parts).
 
 import torch
 
-from ..batched_tensor import METADATA_RULES, VMAP_RULES
+from ...core.level_tensor import LevelTensor
+from ..batched_tensor import METADATA_RULES, VMAP_RULES, BatchedTensor
 
 aten = torch.ops.aten
 
 
 def _storage_numel(t: torch.Tensor) -> int:
+    """The elements of `t`'s storage. A grad or jvp level's wrapper is laid out like its value,
+    but its own storage is a placeholder just long enough for that layout (a column of a 3x3
+    matrix: 7 elements, not 9): the value's storage is the real one."""
+    while isinstance(t, LevelTensor) and type(t) is not BatchedTensor:
+        t = t._value
     return t.untyped_storage().nbytes() // t.element_size()
 
 
