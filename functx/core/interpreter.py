@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from .dispatch_modes import explain_mode_inside_transform, user_modes_see_plain_tensors
+
 _level_counter = itertools.count(1)
 
 functx_code = torch._C.DisableTorchFunction
@@ -96,12 +98,22 @@ def interpreting(interpreter: Interpreter):
 
     The stack is restored to exactly what it was, even when the block raises.
     """
+    modes = user_modes_see_plain_tensors()  # a user's TorchDispatchMode sees plain ops only
     interpreters = _stack.interpreters
     depth = len(interpreters)
     interpreters.append(interpreter)
     interpreter.pushed()
     try:
-        yield interpreter
+        if modes is None:
+            yield interpreter
+        else:
+            with modes:
+                yield interpreter
+    except RuntimeError as error:
+        explained = explain_mode_inside_transform(error)
+        if explained is error:
+            raise
+        raise explained from error
     finally:
         interpreter.alive = False
         del interpreters[depth:]
