@@ -45,6 +45,10 @@ Semantics, as jax.jit's where they can be:
   `grad` makes of an unbatched input, becomes a product with that weight); a
   `post_grad_custom_pre_pass` given in `options` runs after them.
 
+- **Under a user's `TorchDispatchMode`** (a FLOP counter, a logging mode) the function runs
+  eagerly, untraced: the mode sees its plain-tensor ops (dynamo does not trace there, and a
+  function it declined once it would never trace again). Calls outside the mode trace as usual.
+
 Debugging: `FUNCTX_JIT_DEBUG=1` in the environment (or `functx.jit(..., debug=True)`)
 prints each trace's cause, time and the backend's compile time.
 
@@ -67,8 +71,10 @@ import types
 import warnings
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 RETRACE_WARNING_AFTER = 4
+_modes_on_stack = torch._C._len_torch_dispatch_stack
 
 
 class RetraceWarning(UserWarning):
@@ -285,6 +291,10 @@ class Jitted:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        if _modes_on_stack() and is_in_torch_dispatch_mode(include_infra_modes=False):
+            # dynamo does not trace under a user's TorchDispatchMode, and would then never trace
+            # this function again: run it eagerly, which the mode sees as plain-tensor ops
+            return self.fn(*args, **kwargs)
         if self.static_argnums:
             statics, dynamic_args = self._split(args)
         else:  # the hot path: a cache hit costs dynamo's guards and this call

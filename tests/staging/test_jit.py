@@ -472,3 +472,22 @@ def test_transforms_stay_staged_after_torch_clears_dynamos_rule_cache():
         assert g.traces == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_under_a_users_dispatch_mode_the_function_runs_eagerly_and_still_traces_later():
+    """Called first under a TorchDispatchMode, a jitted function runs eagerly (the mode sees
+    plain-tensor ops, as around any transform); dynamo would have declined that call and
+    never traced the function again. Outside the mode it traces once and replays."""
+    from tests.core.test_dispatch_modes import Recording
+
+    w, xs = _randn(8, 8), _randn(4, 8)
+    f = functx.vmap(functx.grad(lambda w, x: torch.tanh(w @ x).sum()), in_dims=(None, 0))
+    expected = (1 - torch.tanh(xs @ w.T) ** 2).unsqueeze(-1) * xs.unsqueeze(1)
+    jitted = functx.jit(f)
+    with Recording() as mode:
+        torch.testing.assert_close(jitted(w, xs), expected)
+    assert mode.ops and mode.saw_wrappers() == []
+    assert jitted.traces == 0
+    for _ in range(2):
+        torch.testing.assert_close(jitted(w, xs), expected)
+    assert jitted.traces == 1
