@@ -17,9 +17,10 @@ on the stack) and hands ops on plain tensors to the user's mode. torch's own tra
 (fake tensors, make_fx: "infra" modes, which decline unknown subclasses themselves) are left
 alone, and so is a stack that holds one of them.
 
-A mode entered *inside* a transformed function is not stood in for (torch gives functx no
-say before such a mode sees an op on a wrapper): it raises `ModeInsideTransformError`,
-which says to enter the mode around the transform call instead.
+A mode entered *inside* a transformed function is stood in for only by the transforms called
+within its block; the ops of the transformed function itself reach it as wrapper ops first
+(torch gives functx no say before that). It may run them, seeing per-sample shapes, or, where
+torch asserts, `ModeInsideTransformError` says to enter the mode around the transform call.
 
     >>> import torch, functx
     >>> from torch.utils.flop_counter import FlopCounterMode
@@ -45,7 +46,7 @@ class PlainTensorsOnly(TorchDispatchMode):
     wrappers, ops on plain tensors to the user's mode."""
 
     def __init__(self, mode: TorchDispatchMode):
-        from .level_tensor import LevelTensor  # (interpreter.py imports this module; level_tensor.py imports it)
+        from .level_tensor import LevelTensor  # not at the top: level_tensor -> interpreter -> this module
 
         super().__init__()
         self.mode = mode
