@@ -37,7 +37,7 @@ import optree
 import torch
 
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor, is_user_detach
+from ..core.level_tensor import LevelTensor, is_user_detach, refresh_views
 from .lifting import FactoryLifting
 
 _no_context = contextlib.nullcontext()
@@ -132,6 +132,9 @@ def dual_level():
 def unwrap_level(tree, interp):
     """Replace `interp`'s tensors in a pytree by their values (what leaves the level), and
     strip wrappers of finished levels."""
+
+    if interp.lifted_bases is not None:
+        refresh_views(interp, optree.tree_leaves(tree))
 
     def leaf(x):
         while isinstance(x, LevelTensor) and (x._interp is interp or not x._interp.alive):

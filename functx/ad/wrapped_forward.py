@@ -53,7 +53,14 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.dual_values import one_level_down_over_dual_values
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
+from ..core.level_tensor import (
+    LevelTensor,
+    mutated_argument,
+    promote_for_write,
+    refresh_views,
+    replay_inplace_view,
+    wrapper_like,
+)
 from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
 from .lifting import raise_captured_write
 
@@ -460,6 +467,8 @@ class WrappedJvpLevel(WrappedLevel):
     def unpack(self, x):
         """`(primal, tangent or None)` of a result, both one level down."""
         if type(x) is DualTensor and x._interp is self:
+            if self.lifted_bases is not None:
+                refresh_views(self, (x,))
             return x._value, tangent_of(x)
         return x, None
 
@@ -486,6 +495,8 @@ class WrappedJvpLevel(WrappedLevel):
             out = here(self, args, kwargs)
             if out is not None:
                 return out
+        if self.lifted_bases is not None:
+            refresh_views(self, (*args, *kwargs.values()))
         kind = _op_kind_cache.get(op)
         if kind is None:
             kind = _op_kind(op)

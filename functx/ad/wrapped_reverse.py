@@ -23,7 +23,14 @@ import contextlib
 import torch
 
 from ..core.dual_values import at_wrappers, call_at_values, down_state
-from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, replay_inplace_view, wrapper_like
+from ..core.level_tensor import (
+    LevelTensor,
+    mutated_argument,
+    promote_for_write,
+    refresh_views,
+    replay_inplace_view,
+    wrapper_like,
+)
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
@@ -115,6 +122,8 @@ class WrappedGradLevel(WrappedLevel):
         if mutated is not None:
             if type(args[mutated]) is GradTensor and args[mutated]._interp is self:
                 promote_for_write(args[mutated], args)
+        if self.lifted_bases is not None:
+            refresh_views(self, (*args, *kwargs.values()))
             else:
                 self._check_write_into_foreign(op, args)
         unwrap = self._unwrap

@@ -43,7 +43,7 @@ class Interpreter:
     with this level's outputs wrapped.
     """
 
-    __slots__ = ("level", "alive", "over_dual_values", "__weakref__")
+    __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "__weakref__")
 
     def __init__(self):
         self.level = next(_level_counter)
@@ -53,6 +53,9 @@ class Interpreter:
         # forward AD must stay off at this level's wrappers (level_tensor.py
         # `wraps_over_dual_values`).
         self.over_dual_values = any(getattr(level, "dual_values", False) for level in _stack.interpreters)
+        # id -> base: this level's tensors whose values were lifted into lower AD levels
+        # through a view (level_tensor.promote_for_write); None until one is
+        self.lifted_bases = None
 
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -24,6 +24,9 @@ _to_layout = torch.ops.aten.to.dtype_layout
 _META = torch.device("meta")
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
+_RESTORE_OUTSIDE = torch._C._RestorePythonTLSSnapshot
+_VIEWS_TRACKED = torch._C._SetExcludeDispatchKeyGuard
 
 
 def is_user_detach() -> bool:
@@ -109,7 +112,13 @@ def promote_for_write(target, args) -> None:
     own (a clone of an input that level does not differentiate, made while an inner level
     was running, is plain there). Such a value is lifted into those levels as a constant
     (`level.lift`: the wrapped AD levels), in place of the wrapper's value: the wrapper is
-    what user code holds. Levels without `lift` (vmap) batch or refuse in their own rules."""
+    what user code holds. Levels without `lift` (vmap) batch or refuse in their own rules.
+
+    A view (`h[0] = a`) is lifted through its base: the base's value is lifted and the
+    view's value becomes the same view of it, so the write reaches what the base holds (its
+    lifted levels' derivatives included). Lifting the view alone gave it a wrapper of its
+    own, and the written derivative stayed there: `jacfwd(vmap(f))` of `h = x.clone();
+    h[0] = y[0]` was zero."""
     value = target._value
     below = level_of(value)
     top = below
@@ -120,10 +129,49 @@ def promote_for_write(target, args) -> None:
                 top = max(top, level_of(inner))
     if top == below:
         return
+    base = target._base if target._is_view() else None
+    interp = target._interp
+    if isinstance(base, LevelTensor) and base._interp is interp and level_of(base._value) == below:
+        base._value = _lifted(base._value, below, top)
+        if interp.lifted_bases is None:
+            interp.lifted_bases = {}
+        interp.lifted_bases[id(base)] = base
+        target._value = _same_view(base._value, value)
+        return
+    target._value = _lifted(value, below, top)
+
+
+def _lifted(value, below: int, top: int):
+    """`value` lifted as a constant into the levels in (below, top] that lift (AD levels)."""
     for level in current_stack():
         if below < level.level <= top and hasattr(level, "lift"):
             value = level.lift(value)
-    target._value = value
+    return value
+
+
+def _same_view(base_value, old_view):
+    """The view of `base_value` that `old_view` is of the base's old value (same storage)."""
+    size, stride, offset = old_view.shape, old_view.stride(), old_view.storage_offset()
+    if _tls_excluded(_AD_INPLACE_OR_VIEW) or _tls_excluded(_AUTOGRAD_CPU):
+        # inside __torch_dispatch__: outside's dispatch state, so the levels track the view
+        with _RESTORE_OUTSIDE(), _VIEWS_TRACKED(_AD_INPLACE_OR_VIEW, False):
+            return base_value.as_strided(size, stride, offset)
+    return base_value.as_strided(size, stride, offset)
+
+
+def refresh_views(interp, tensors) -> None:
+    """After `promote_for_write` lifted a base of `interp`'s (`interp.lifted_bases`, rare):
+    the other views of it made before (`v = h[:2]; h[0] = a`) still hold views of the old,
+    unlifted value. Each one met here (an op's argument, a transform's output) gets the same
+    view of the lifted value, so it sees what was written through its base. Callers test
+    `interp.lifted_bases is not None` first: nothing to do on the hot path otherwise."""
+    bases = interp.lifted_bases
+    for a in tensors:
+        for t in a if type(a) is list or type(a) is tuple else (a,):
+            if isinstance(t, LevelTensor) and t._interp is interp and t._is_view():
+                base = bases.get(id(t._base))
+                if base is not None and base is t._base and level_of(t._value) < level_of(base._value):
+                    t._value = _same_view(base._value, t._value)
 
 
 def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
@@ -187,7 +235,11 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     values = tuple(unwrap_dead(a) for a in args)
     kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
     with torch._C._RestorePythonTLSSnapshot():
-        out = op(*values, **kw_values)
+        # In the forward-AD state of the values, as every level's rule one level down
+        # (core/dual_values.py): a `vjp_fn` called with a cotangent of a live level over a jvp
+        # on values runs its backward under `at_wrappers` (forward AD off for those wrappers),
+        # and its dead formulas' values (the jvp's plain duals) would lose their tangents.
+        out = call_at_values(op, values, kw_values, down_state())
     if dead is None:
         return out
     mutated = mutated_argument(op)
@@ -248,4 +300,7 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "refresh_views", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+
+
+from .dual_values import call_at_values, down_state  # noqa: E402 (dual_values imports LevelTensor)

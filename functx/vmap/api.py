@@ -8,7 +8,7 @@ import torch
 
 from ..core import pytree
 from ..core.interpreter import functx_code, interpreting
-from ..core.level_tensor import unwrap_dead
+from ..core.level_tensor import refresh_views, unwrap_dead
 from .batched_tensor import BatchedTensor, VmapInterpreter
 from .randomness import RANDOMNESS_MODES, RandomnessMode, check_randomness
 
@@ -205,6 +205,8 @@ def _unbatch(func, out, out_dim, interp):
             f"{type(out)}. Did you mean to set out_dims= to None for output?"
         )
     if interp.is_batched(out):
+        if interp.lifted_bases is not None:
+            refresh_views(interp, (out,))
         value = unwrap_dead(out._value)
     else:  # does not depend on the batch: every element is the same
         value = out.unsqueeze(0).expand(interp.batch_size, *out.shape)

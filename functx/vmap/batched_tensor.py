@@ -12,7 +12,7 @@ import torch
 from ..core.dual_values import one_level_down_over_dual_values
 from ..core.errors import DeadLevelError
 from ..core.interpreter import Interpreter
-from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write
+from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write, refresh_views
 from ..core.rules import RuleTable
 from .per_sample_check import per_sample_checked
 
@@ -106,6 +106,8 @@ class VmapInterpreter(Interpreter):
         metadata = METADATA_RULES.get(op)
         if metadata is not None:  # torch's autograd asking about layouts: no restore, no checks
             return metadata(self, *args)
+        if self.lifted_bases is not None:
+            refresh_views(self, (*args, *kwargs.values()))
         mutated = mutated_argument(op)
         if mutated is not None:
             if type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
