@@ -245,6 +245,47 @@ def test_type_registered_after_first_use_is_seen():
     torch.testing.assert_close(g.v, x.cos())
 
 
+def _box_type(name):
+    return type(name, (), {"__init__": lambda self, v: setattr(self, "v", v)})
+
+
+def _register_box(cls):
+    torch_pytree.register_pytree_node(
+        cls, lambda p: ([p.v], None), lambda v, c: cls(v[0]), serialized_type_name=f"tests.{cls.__name__}"
+    )
+
+
+@pytest.mark.parametrize("changes", ["swap the last", "swap one before the last", "swap two"])
+def test_registry_changes_that_keep_its_size_are_seen(changes):
+    """Issue 27: register A, use it, deregister A, register B: the registry's length is the
+    same, and keying the sync on it made functx reject B ("must only return Tensors").
+    Each variant keeps the length and must still be seen."""
+    x = rand(3, 2)
+    before = [_box_type(f"Before{i}") for i in range(2)]
+    for cls in before:
+        _register_box(cls)
+    try:
+        out = functx.vmap(lambda t: before[-1](t.cos()))(x)  # synced with `before` registered
+        assert type(out) is before[-1]
+        gone = {"swap the last": before[-1:], "swap one before the last": before[:1], "swap two": before}[changes]
+        for cls in gone:
+            torch_pytree._deregister_pytree_node(cls)
+        new = [_box_type(f"New{i}") for i in range(len(gone))]
+        for cls in new:
+            _register_box(cls)
+        for cls in new:
+            out = functx.vmap(lambda t: cls(t.sin()))(x)
+            assert type(out) is cls
+            torch.testing.assert_close(out.v, x.sin())
+        for cls in gone:  # deregistered: a plain object again, as torch.func sees it
+            with pytest.raises(ValueError, match="must only return Tensors"):
+                functx.vmap(lambda t: cls(t))(x)
+    finally:
+        for cls in [*before, *locals().get("new", [])]:
+            if cls in torch_pytree.SUPPORTED_NODES:
+                torch_pytree._deregister_pytree_node(cls)
+
+
 # ----------------------------------------------------------------------- reverse mode
 
 

@@ -7,8 +7,12 @@ registered here, lazily, with optree in functx's own namespace (`NAMESPACE`), th
 adapter that calls torch's flatten / unflatten functions. So the transforms accept
 containers registered with either library, and still flatten in one optree call.
 
-The registration is synced when the number of torch's registered types changes: the hot
-path (one flatten per transform call, never per op) pays one `len()` comparison.
+The registration is synced when torch's registry changes. The key (`_registry_key`) is its
+length and its last entry's `NodeDef` object: torch appends every registration at the end
+as a new object (which functx keeps alive, so its identity cannot be reused), and a
+deregistration shortens the dict, so no change can keep both (deregistering one type and
+registering another keeps the length only). The hot path (one flatten per transform call,
+never per op) pays one `len()` and one `reversed()` step (~0.1 µs).
 
 Precedence: a type optree knows (built-in containers, namedtuples, structseqs, types
 registered in optree's global namespace or in `NAMESPACE`) is flattened as optree does;
@@ -48,8 +52,9 @@ __all__ = [
 NAMESPACE = "functx"
 
 _TORCH_NODES = _torch_pytree.SUPPORTED_NODES  # torch mutates this dict in place
+_TORCH_NODE_DEFS = _TORCH_NODES.values()  # a live view
 _lock = threading.Lock()
-_synced_len = -1  # len(_TORCH_NODES) when last synced
+_synced_key: tuple = (-1, None)  # _registry_key() when last synced
 _from_torch: dict[type, object] = {}  # types registered here -> torch's NodeDef then
 
 
@@ -80,11 +85,17 @@ def _adapters(cls, node_def):
     return flatten, unflatten
 
 
+def _registry_key() -> tuple:
+    """(length, last NodeDef) of torch's registry: changes with every (de)registration."""
+    return len(_TORCH_NODES), next(reversed(_TORCH_NODE_DEFS), None)
+
+
 def _sync() -> None:
     """Register with optree (in NAMESPACE) the types torch's pytree knows and optree does
     not; unregister those torch forgot."""
-    global _synced_len
+    global _synced_key
     with _lock:
+        key = _registry_key()
         nodes = dict(_TORCH_NODES)
         for cls in [c for c in _from_torch if c not in nodes]:
             optree.unregister_pytree_node(cls, namespace=NAMESPACE)
@@ -97,12 +108,13 @@ def _sync() -> None:
             except ValueError:  # optree refuses it (a type it handles itself): its way wins
                 continue
             _from_torch[cls] = node_def
-        _synced_len = len(nodes)
+        _synced_key = key  # holds the last NodeDef: its identity stays unique
 
 
 def _namespace() -> str:
-    """`NAMESPACE`, synced with torch's registrations first if they changed (one len())."""
-    if len(_TORCH_NODES) != _synced_len:
+    """`NAMESPACE`, synced with torch's registrations first if they changed."""
+    length, last = _synced_key
+    if len(_TORCH_NODES) != length or next(reversed(_TORCH_NODE_DEFS), None) is not last:
         _sync()
     return NAMESPACE
 
