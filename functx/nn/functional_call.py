@@ -1,7 +1,8 @@
 """`functional_call`: call a module with parameters and buffers given as data.
 
-The module's own tensors are swapped out for the given ones for the duration of one
-call and swapped back afterwards (also when the call raises). The given values may be
+The module's own tensors are replaced by the given ones for the duration of one call, for
+the calling thread only (per_thread.py), and are back afterwards (also when the call
+raises). The given values may be
 level tensors of any functx transform (BatchedTensors, grad/jvp wrappers): the module's
 forward then runs on them like on any other tensor, which is what makes
 `vmap(grad(loss))` over `functional_call` give per-sample gradients.
@@ -17,6 +18,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+from .per_thread import substituted
 
 __all__ = ["functional_call"]
 
@@ -48,7 +51,10 @@ def functional_call(
       buffers; missing and unexpected keys raise a `RuntimeError` listing them.
 
     The module is left as it was: the same parameter and buffer objects, also when
-    its forward raises. As in torch.func, a forward that updates a buffer in place
+    its forward raises. The given tensors replace the module's for the calling thread
+    only (beyond torch.func, whose swap other threads see): threads calling
+    `functional_call` on one module at once each see their own values, and a thread
+    calling the module itself meanwhile sees its own tensors. As in torch.func, a forward that updates a buffer in place
     (batch-norm running stats in training mode) updates the tensor that was passed,
     and a forward that re-assigns an attribute (`self.count = self.count + 1`) writes
     the new value into the passed dict under that key.
@@ -174,19 +180,15 @@ def _check_strict(module: nn.Module, values: dict[str, Tensor]) -> None:
 
 @contextlib.contextmanager
 def _swapped(module: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-    """Put `values` into `module` for the body; put the originals back afterwards, also
-    on error. Yields a dict that, after the body, holds the values the module had at the
-    given names just before they were swapped back (so re-assignments are visible)."""
-    accessor = NamedMemberAccessor(module)
+    """`values` in place of the module's tensors for the body, for the calling thread only
+    (per_thread.py: other threads calling the module meanwhile see their own or the module's
+    tensors); the module as it was afterwards, also on error. Yields a dict that, after the
+    body, holds the values at the given names at its end (so re-assignments are visible)."""
     rnn_caches = _save_rnn_caches(module)
-    after: dict[str, Tensor] = {}
-    originals, _ = accessor.swap_tensors_dict(values, allow_missing=True)
     try:
-        yield after
+        with substituted(module, values) as after:
+            yield after
     finally:
-        # Restore in reverse order so that a name given twice (tied names) ends as it was.
-        restored, _ = accessor.swap_tensors_dict(dict(reversed(originals.items())), allow_missing=True)
-        after.update(restored)
         _restore_rnn_caches(rnn_caches)
 
 

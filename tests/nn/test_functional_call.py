@@ -421,3 +421,165 @@ def test_nested_vmap_over_stacked_params_and_batched_input():
         [torch.stack([torch.func.functional_call(model, {k: v[i] for k, v in params.items()}, x[j]) for j in range(3)]) for i in range(2)]
     )
     assert_close(out, expected)
+
+
+# -- threads: each thread sees only its own parameters (functx/nn/per_thread.py) ------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1), nn.BatchNorm1d(1))
+
+
+def _state(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g) for n, p in module.named_parameters()}
+
+
+def _loaded_copy(module, state):
+    """The plain-torch reference: a copy of the module holding `state`."""
+    copy_ = copy.deepcopy(module)
+    copy_.load_state_dict(state, strict=False)
+    return copy_
+
+
+def _in_threads(work, n_threads=2):
+    import threading
+
+    barrier = threading.Barrier(n_threads)
+    errors = []
+
+    def run(i):
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_threads_each_see_only_their_own_parameters():
+    """Issue 27: two threads calling functional_call on one module 200 times each: swapping
+    the tensors into the module made 176 of 400 calls see the other thread's parameters."""
+    model = _mlp().eval()
+    x = torch.randn(16, 8)
+    states = [_state(model, 1), _state(model, 2)]
+    expected = [_loaded_copy(model, s)(x) for s in states]
+    own = {n: p for n, p in model.named_parameters()}
+    wrong = [0, 0]
+
+    def work(i):
+        for _ in range(200):
+            if not torch.equal(functx.functional_call(model, states[i], (x,)), expected[i]):
+                wrong[i] += 1
+
+    _in_threads(work)
+    assert wrong == [0, 0]
+    assert type(model._parameters) is dict and {n: p for n, p in model.named_parameters()} == own
+
+
+def test_a_thread_calling_the_module_itself_sees_its_own_tensors_meanwhile():
+    model = _mlp().eval()
+    x = torch.randn(16, 8)
+    state = _state(model, 3)
+    expected_own, expected_given = model(x), _loaded_copy(model, state)(x)
+    wrong = [0, 0]
+
+    def work(i):
+        for _ in range(200):
+            out = functx.functional_call(model, state, (x,)) if i == 0 else model(x)
+            if not torch.equal(out, expected_given if i == 0 else expected_own):
+                wrong[i] += 1
+
+    _in_threads(work)
+    assert wrong == [0, 0]
+
+
+def test_per_sample_gradients_in_two_threads_equal_serial_ones():
+    """vmap(grad(functional_call)) in two threads at once, against a per-sample loop of
+    torch.autograd.grad on copies of the module."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 1, dtype=torch.float64)
+    model = model.double()
+    states = [{n: p.detach() * (1 + i) for n, p in model.named_parameters()} for i in range(2)]
+
+    def loss(params, xi, yi):
+        return ((functx.functional_call(model, params, (xi[None],)) - yi) ** 2).sum()
+
+    def reference(state):
+        ref = _loaded_copy(model, state)
+        grads = []
+        for xi, yi in zip(x, y):
+            out = ((ref(xi[None]) - yi) ** 2).sum()
+            grads.append(dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(out, list(ref.parameters())))))
+        return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}
+
+    expected = [reference(s) for s in states]
+    results = [[], []]
+
+    def work(i):
+        for _ in range(20):
+            results[i].append(functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(states[i], x, y))
+
+    _in_threads(work)
+    for i in range(2):
+        for got in results[i]:
+            for name in expected[i]:
+                assert_close(got[name], expected[i][name])
+
+
+def test_nested_calls_in_one_thread_and_reassignment():
+    """A functional_call inside another's forward (the innermost call's values win; names it
+    does not give keep the outer call's), and a buffer re-assigned in the forward written
+    back into the outer caller's dict, with the module's own dicts back afterwards."""
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count = self.count + 1
+            return self.lin(x)
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return functx.functional_call(self.inner, {"lin.bias": torch.ones(2)}, (x,))
+
+    outer = Outer(Counter())
+    x = torch.randn(3, 2)
+    state = {"inner.lin.weight": torch.eye(2), "inner.lin.bias": torch.zeros(2), "inner.count": torch.zeros(())}
+    out = functx.functional_call(outer, state, (x,))
+    assert_close(out, x + 1)  # weight from the outer call, bias from the inner one
+    assert state["inner.count"].item() == 1  # the re-assignment landed in the outer call's dict
+    assert outer.inner.count.item() == 0
+    assert all(type(m._parameters) is dict and type(m._buffers) is dict for m in outer.modules())
+
+
+def test_exception_in_a_thread_leaves_the_module_as_it_was():
+    model = _mlp().eval()
+    own = {n: p for n, p in model.named_parameters()}
+
+    def work(i):
+        for _ in range(50):
+            if i == 0:
+                with pytest.raises(RuntimeError):
+                    functx.functional_call(model, _state(model, 4), (torch.randn(2, 7),))  # wrong width
+            else:
+                functx.functional_call(model, _state(model, 5), (torch.randn(2, 8),))
+
+    _in_threads(work)
+    assert type(model._parameters) is dict and type(model[0]._parameters) is dict
+    assert {n: p for n, p in model.named_parameters()} == own
