@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .functional_call import require_module
+
 
 def replace_all_batch_norm_modules_(root: nn.Module) -> nn.Module:
     """Make every batch-norm module in `root` (in place) use batch statistics only:
@@ -18,6 +20,7 @@ def replace_all_batch_norm_modules_(root: nn.Module) -> nn.Module:
         >>> net[1].running_mean is None, net[1].track_running_stats
         (True, False)
     """
+    require_module(root, "replace_all_batch_norm_modules_")
     for module in root.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             module.running_mean = None

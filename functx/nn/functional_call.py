@@ -127,9 +127,26 @@ def _merge_dicts(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]]) -> dict
     return merged
 
 
+class NotAModuleError(TypeError, AttributeError):
+    """A module-taking function got something else. A TypeError that says what was
+    expected; also an AttributeError, which torch.func raises there (`'function' object has
+    no attribute 'named_parameters'`), so code catching that keeps working."""
+
+
+def require_module(obj, api: str) -> None:
+    if not isinstance(obj, nn.Module):
+        hint = (
+            " For a plain function, call it directly (its tensors are already data)."
+            if callable(obj)
+            else ""
+        )
+        raise NotAModuleError(f"{api}: expected a torch.nn.Module, got {type(obj).__name__} ({obj!r:.60}).{hint}")
+
+
 def _check_module(module: nn.Module) -> None:
     if isinstance(module, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
         raise RuntimeError("functional_call can't be used with jitted modules")
+    require_module(module, "functional_call")
     if isinstance(module, nn.DataParallel):
         raise RuntimeError("functional_call can't be used with nn.DataParallel modules")
 

@@ -583,3 +583,22 @@ def test_exception_in_a_thread_leaves_the_module_as_it_was():
     _in_threads(work)
     assert type(model._parameters) is dict and type(model[0]._parameters) is dict
     assert {n: p for n, p in model.named_parameters()} == own
+
+
+@pytest.mark.parametrize(
+    "call, names",
+    [
+        (lambda: functx.functional_call(lambda x: x, {}, (torch.ones(1),)), ["functional_call", "function"]),
+        (lambda: functx.functional_call([nn.Linear(1, 1)], {}, (torch.ones(1),)), ["functional_call", "list"]),
+        (lambda: functx.replace_all_batch_norm_modules_(3), ["replace_all_batch_norm_modules_", "int"]),
+        (lambda: functx.nn.replace_all_batch_norm_modules_(lambda x: x), ["replace_all_batch_norm_modules_", "function"]),
+    ],
+)
+def test_something_that_is_not_a_module_is_a_clear_type_error(call, names):
+    """Issue 27: a TypeError naming the function, what was expected and what came; still an
+    AttributeError, which torch.func raises there, for code that catches that."""
+    with pytest.raises(TypeError, match="expected a torch.nn.Module") as info:
+        call()
+    assert isinstance(info.value, AttributeError)
+    for name in names:
+        assert name in str(info.value)
