@@ -76,12 +76,20 @@ def check_outputs(flat_out, output, api: str) -> None:
             raise RuntimeError(f"{api}: expected f(*primals) to return only tensors, got unsupported type {type(out)}")
 
 
-def check_aux(aux) -> None:
+def check_aux(aux, api: str) -> None:
     """`aux` (what a has_aux function returns beside its output) holds only tensors, in any
-    containers: torch.func refuses every other leaf, None and python numbers included."""
-    for leaf in pytree.tree_leaves(aux, none_is_leaf=True):
+    containers: torch.func refuses every other leaf, None and python numbers included. The
+    error names the transform and where in aux the leaf is; it keeps torch.func's words."""
+    paths, leaves, _ = pytree.tree_flatten_with_path(aux, none_is_leaf=True)
+    for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
-            raise RuntimeError(f"Expected tensors, got unsupported type {type(leaf)}")
+            where = "aux" + "".join(f"[{k!r}]" for k in path)
+            raise RuntimeError(
+                f"{api} with has_aux=True: aux must be tensors or pytrees of tensors (got "
+                f"{type(leaf).__name__} {leaf!r:.40} at {where}). Return it as a tensor "
+                f"(torch.tensor(...)) or keep it out of aux (a closure, a list filled by f). "
+                f"Expected tensors, got unsupported type {type(leaf)}"
+            )
 
 
 def identity_rows(flat, start, stop):

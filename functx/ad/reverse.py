@@ -29,7 +29,7 @@ def _split_aux(output, has_aux: bool, api: str):
         return output, None
     if not (isinstance(output, tuple) and len(output) == 2):
         raise RuntimeError(f"{api}: output of function f should be a tuple: (output, aux) if has_aux is True")
-    check_aux(output[1])
+    check_aux(output[1], api)
     return output
 
 

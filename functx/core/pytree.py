@@ -36,11 +36,13 @@ from __future__ import annotations
 import threading
 
 import optree
+import torch
 import torch.utils._pytree as _torch_pytree
 
 __all__ = [
     "NAMESPACE",
     "broadcast_prefix",
+    "describe",
     "tree_flatten",
     "tree_flatten_with_path",
     "tree_leaves",
@@ -148,3 +150,33 @@ def broadcast_prefix(prefix, tree, none_is_leaf: bool = False) -> list:
 
 
 tree_unflatten = optree.tree_unflatten  # the spec knows its namespace
+
+
+class _Shown:
+    __slots__ = ("text",)
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def describe(tree) -> str:
+    """`tree` written as Python, each tensor as `Tensor(<shape>)` (for error messages: the
+    user's structure, not a PyTreeSpec).
+
+    Example:
+        >>> import torch
+        >>> describe(({"w": torch.zeros(2, 3)}, None, 1))
+        "({'w': Tensor(2, 3)}, None, 1)"
+    """
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return _Shown(f"Tensor({', '.join(map(str, x.shape))})")
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return _Shown(repr(x))
+        return _Shown(type(x).__name__)
+
+    return repr(tree_map(leaf, tree, none_is_leaf=True))

@@ -59,6 +59,13 @@ def _describe_leaf(spec, i) -> str:
     return text
 
 
+def _count_hint(dims, tree, what: str) -> str:
+    """` (3 entries for 2 inputs)` when both are tuples or lists of different lengths."""
+    if isinstance(dims, (tuple, list)) and isinstance(tree, (tuple, list)) and len(dims) != len(tree):
+        return f" ({len(dims)} entries for {len(tree)} {what})"
+    return ""
+
+
 def _flatten_in_dims(func, in_dims, args):
     """Flat args, their in_dims and the args' structure; errors as torch.func words them."""
     if not isinstance(in_dims, (int, tuple)) or isinstance(in_dims, bool):
@@ -80,8 +87,10 @@ def _flatten_in_dims(func, in_dims, args):
     except ValueError:
         raise ValueError(
             f"vmap({_name(func)}, in_dims={in_dims}, ...)(<inputs>): in_dims is not "
-            f"compatible with the structure of `inputs`. in_dims has structure "
-            f"{pytree.tree_structure(in_dims, none_is_leaf=True)} but inputs has structure {spec}."
+            f"compatible with the structure of `inputs`: in_dims={pytree.describe(in_dims)} "
+            f"against the inputs {pytree.describe(args)}{_count_hint(in_dims, args, 'inputs')}. "
+            f"in_dims must have the inputs' structure, or a prefix of it (one entry for a "
+            f"whole container); an int applies to every input."
         ) from None
     return leaves, flat_dims, spec
 
@@ -177,9 +186,10 @@ def _flat_out_dims(func, out_dims, outputs, n_leaves):
     except ValueError:
         raise ValueError(
             f"vmap({_name(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
-            f"compatible with the structure of `outputs`. out_dims has structure "
-            f"{pytree.tree_structure(out_dims, none_is_leaf=True)} but outputs has structure "
-            f"{pytree.tree_structure(outputs, none_is_leaf=True)}."
+            f"compatible with the structure of `outputs`: out_dims={pytree.describe(out_dims)} "
+            f"against the outputs {pytree.describe(outputs)}{_count_hint(out_dims, outputs, 'outputs')}. "
+            f"out_dims must have the outputs' structure, or a prefix of it (one entry for a "
+            f"whole container); an int applies to every output."
         ) from None
 
 

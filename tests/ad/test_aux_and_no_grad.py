@@ -47,7 +47,12 @@ def test_non_tensor_aux_is_refused_as_torch_func_does(api, aux):
         aux_of(tf, api, aux)
     with pytest.raises(RuntimeError, match="Expected tensors, got unsupported type") as ours:
         aux_of(functx, api, aux)
-    assert str(ours.value) == str(theirs.value)  # names the same type
+    assert str(ours.value).endswith(str(theirs.value))  # torch.func's words, naming the same type
+    # beyond torch.func (issue 27): the transform, what aux must be, and where the leaf is
+    transform = {"grad": "grad_and_value", "vmap(grad)": "grad_and_value"}.get(api, api)
+    assert str(ours.value).startswith(transform)
+    assert "with has_aux=True: aux must be tensors or pytrees of tensors (got " in str(ours.value)
+    assert f" at aux" in str(ours.value)
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -123,6 +123,36 @@ def test_bad_arguments_raise_value_error(call, match):
         call(torch.randn(4, 3))
 
 
+@pytest.mark.parametrize(
+    "call, shown",
+    [
+        (
+            lambda x: vmap(torch.add, in_dims=(0, 0, 0))(x, x),
+            "in_dims=(0, 0, 0) against the inputs (Tensor(4, 3), Tensor(4, 3)) (3 entries for 2 inputs)",
+        ),
+        (
+            lambda x: vmap(lambda p, y: p["w"] * y, in_dims=({"v": 0}, 0))({"w": x}, x),
+            "in_dims=({'v': 0}, 0) against the inputs ({'w': Tensor(4, 3)}, Tensor(4, 3))",
+        ),
+        (
+            lambda x: vmap(lambda a: (a, a), out_dims=(0, 0, 0))(x),
+            "out_dims=(0, 0, 0) against the outputs (Tensor(3), Tensor(3)) (3 entries for 2 outputs)",
+        ),
+        (
+            lambda x: vmap(lambda a: {"u": a}, out_dims={"v": 0})(x),
+            "out_dims={'v': 0} against the outputs {'u': Tensor(3)}",
+        ),
+    ],
+)
+def test_structure_mismatches_show_the_users_structures(call, shown):
+    """Issue 27: the user's in_dims / out_dims and the inputs / outputs (per-sample shapes for
+    outputs), written as Python, not optree's PyTreeSpec; torch.func's first sentence kept."""
+    with pytest.raises(ValueError, match="is not compatible with the structure of") as info:
+        call(torch.randn(4, 3))
+    assert shown in str(info.value)
+    assert "PyTreeSpec" not in str(info.value)
+
+
 def test_mismatched_batch_sizes_name_sizes_and_arguments():
     with pytest.raises(ValueError, match=r"got sizes \[4, 5\].*args\[0\] has size 4, args\[1\] has size 5"):
         vmap(torch.add)(torch.randn(4, 3), torch.randn(5, 3))
