@@ -10,8 +10,7 @@ input is every element's own gradient. That needs each input batched at every vm
 its outputs are batched at (otherwise the physical gradient would add up the elements of
 those levels): anything else raises. `.backward()` accumulates the sum over the batch into
 the `.grad` of a tensor from outside, as a loop over the elements would; inside
-`vmap(grad(f))` there is no per-element `.grad` to fill, so it raises, naming
-`torch.autograd.grad`.
+`vmap(grad(f))` (any open AD level) it raises before it gets here (ad/user_backward.py).
 
     >>> import torch, functx
     >>> def f(x):
@@ -61,11 +60,6 @@ def route_backward(interp, func, args, kwargs):
     output = args[0]
     if not _tracked_physically(output):
         return func(*args, **kwargs)
-    if interp.direct_ad is not None and not interp.direct_ad.forward_mode:
-        raise RuntimeError(
-            "functx: .backward() inside vmap(grad(f)) is not supported (there is no per-element "
-            ".grad to accumulate into); use torch.autograd.grad(output, inputs) or functx.grad."
-        )
     gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
     with functx_code():
         levels, physical = _chain(output)

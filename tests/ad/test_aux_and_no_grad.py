@@ -8,6 +8,7 @@ import torch
 import torch.func as tf
 
 import functx
+from functx.core import current_stack
 
 D = torch.float64
 X0 = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(1))
@@ -187,3 +188,47 @@ def test_inner_no_grad_values():
     expected = torch.autograd.grad((X0.cos() * x.sin()).sum(), x)[0]
     torch.testing.assert_close(functx.grad(lambda v: _inner_no_grad(v).sum())(X0), expected)
     torch.testing.assert_close(functx.jacrev(_inner_no_grad)(X0), torch.diag(expected))
+
+
+# -- .backward() inside a transform (issue 27): a clear error, never torch's misleading one --
+
+
+def _calls_backward(x):
+    loss = (x**2).sum()
+    loss.backward()
+    return loss
+
+
+BACKWARD_INSIDE = {
+    "grad": lambda x: functx.grad(_calls_backward)(x),
+    "grad_and_value": lambda x: functx.grad_and_value(_calls_backward)(x),
+    "vjp": lambda x: functx.vjp(_calls_backward, x),
+    "jacrev": lambda x: functx.jacrev(_calls_backward)(x),
+    "hessian": lambda x: functx.hessian(_calls_backward)(x),
+    "grad(grad)": lambda x: functx.grad(lambda y: functx.grad(_calls_backward)(y).sum())(x),
+    "vmap(grad)": lambda x: functx.vmap(functx.grad(_calls_backward))(x.expand(2, 3)),
+    "jvp": lambda x: functx.jvp(_calls_backward, (x,), (x,)),
+    "jacfwd": lambda x: functx.jacfwd(_calls_backward)(x),
+}
+
+
+@pytest.mark.parametrize("api", sorted(BACKWARD_INSIDE))
+def test_backward_inside_a_transform_says_what_to_use(api):
+    x = torch.randn(3)
+    outside = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"the transformed function called \.backward\(\).*torch\.autograd\.grad"):
+        BACKWARD_INSIDE[api](x * outside.detach())
+    assert current_stack() == ()
+    assert outside.grad is None
+
+
+def test_backward_outside_transforms_and_inside_vmap_alone_still_work():
+    """Plain torch, and `.backward()` inside vmap on a tensor from outside (beyond torch.func):
+    the sum over the batch of the per-element gradients, as a loop would accumulate."""
+    xs = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3)
+    functx.vmap(lambda xi: (xi * w).pow(2).sum().backward() or xi.detach())(xs)
+    torch.testing.assert_close(xs.grad, 2 * xs.detach() * w**2)
+    xs.grad = None
+    (xs * 2).sum().backward()
+    torch.testing.assert_close(xs.grad, torch.full((4, 3), 2.0))
