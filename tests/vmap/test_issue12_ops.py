@@ -345,6 +345,18 @@ def test_nonzero_static_keeps_working():
     torch.testing.assert_close(out, loop(f, (x,), (0,)))
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0), (4, 0, 2), (3, 1)])
+@pytest.mark.parametrize("size", [0, 1, 3])
+def test_nonzero_static_of_empty_samples(shape, size):
+    """Issue 27: samples with no elements raised ZeroDivisionError (unravelling flat positions
+    by a 0 extent); plain torch gives `size` rows of fill_value. Against the per-sample loop."""
+    x = torch.zeros(shape) if 0 in shape else torch.tensor([[1.0], [0.0], [2.0]])
+    f = lambda x: torch.nonzero_static(x, size=size, fill_value=-5)  # noqa: E731
+    with functx.vmap_fallback("error"):
+        out = vmap(f)(x)
+    torch.testing.assert_close(out, loop(f, (x,), (0,)))
+
+
 def test_multinomial_on_2d_samples_keeps_working():
     """One-hot rows make draws with replacement exact; without replacement, drawing as many
     as there are nonzero classes draws each of them once."""

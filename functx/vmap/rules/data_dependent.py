@@ -88,6 +88,8 @@ def _nonzero_static(interp, x, *, size, fill_value=-1):
     sort puts each element's nonzero positions first, in order; rows past its count are
     `fill_value`."""
     batch, shape = interp.batch_size, x.shape
+    if math.prod(shape) == 0:  # no positions at all (unravelling would divide by a 0 extent)
+        return interp.wrap(x._value.new_full((batch, size, len(shape)), fill_value, dtype=torch.long))
     nonzero = (x._value != 0).reshape(batch, math.prod(shape))
     order = torch.argsort((~nonzero).to(torch.int8), dim=1, stable=True)[:, :size]
     if order.shape[1] < size:
