@@ -118,12 +118,12 @@ class WrappedGradLevel(WrappedLevel):
             out = here(self, args, kwargs)
             if out is not None:
                 return out
+        if self.lifted_bases is not None:
+            refresh_views(self, (*args, *kwargs.values()))
         mutated = mutated_argument(op)
         if mutated is not None:
             if type(args[mutated]) is GradTensor and args[mutated]._interp is self:
                 promote_for_write(args[mutated], args)
-        if self.lifted_bases is not None:
-            refresh_views(self, (*args, *kwargs.values()))
             else:
                 self._check_write_into_foreign(op, args)
         unwrap = self._unwrap
