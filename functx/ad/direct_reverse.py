@@ -167,11 +167,12 @@ class DirectGradLevel(ADLevel):
 
     def gradient(self, output, leaves):
         """d output / d leaves, per batch element (output: this level's scalar)."""
+        create_graph = self.reaches_outside or self.under_forward  # (level.py: ADLevel)
         if not self.vmap_levels:
-            return autograd_grad([output], leaves, create_graph=self.reaches_outside)
+            return autograd_grad([output], leaves, create_graph=create_graph)
         with functx_code():
             one = torch.ones((), dtype=output.dtype, device=output.device)
-        return self.vjp([output], leaves, [one], create_graph=self.reaches_outside, retain_graph=None)
+        return self.vjp([output], leaves, [one], create_graph=create_graph, retain_graph=None)
 
     def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
         """Cotangents of `leaves`, per batch element. Besides `gradient`, only `vjp` (k = 0)

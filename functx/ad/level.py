@@ -36,7 +36,7 @@ import threading
 import optree
 import torch
 
-from ..core.interpreter import Interpreter
+from ..core.interpreter import Interpreter, current_stack
 from ..core.level_tensor import LevelTensor, is_user_detach, refresh_views
 from .lifting import FactoryLifting
 
@@ -48,16 +48,22 @@ _META = torch.device("meta")
 class ADLevel(Interpreter):
     """Base of the four AD levels (see the module docstring). `prev_grad_mode` is the grad
     mode outside the transform: an outer `torch.no_grad()` is ignored at this level but
-    still holds for the levels below it (functorch's rule), an inner one is obeyed."""
+    still holds for the levels below it (functorch's rule), an inner one is obeyed.
+    `under_forward`: a forward-mode level lies below (forward over reverse, an HVP): this
+    level's backward then always records (create_graph), grad mode or not, because some of
+    torch's backward formulas take a shortcut without grad mode that carries no tangent
+    (linalg.solve and det reuse the forward's LU): jvp(vjp(solve)) was wrong."""
 
-    __slots__ = ("prev_grad_mode",)
+    __slots__ = ("prev_grad_mode", "under_forward")
 
     def __init__(self):
         super().__init__()
         self.prev_grad_mode = torch.is_grad_enabled()
+        self.under_forward = any(isinstance(level, ADLevel) and level.forward_mode for level in current_stack())
 
     # Results leave as values one level down; what they carry belongs to lower levels.
     reaches_outside = True
+    forward_mode = False  # jvp levels: True
 
     def seal(self, outputs, inputs) -> None:
         """After the function ran (nothing to do by default)."""

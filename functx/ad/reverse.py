@@ -63,7 +63,8 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
             if create_graph is None:
                 # torch.func's default is the grad mode; a plain level also needs something to
                 # differentiate the result: the outside graph or a differentiated cotangent.
-                create_graph = torch.is_grad_enabled() and (
+                # Over a forward-mode level always, grad mode or not (level.py: ADLevel).
+                create_graph = level.under_forward or torch.is_grad_enabled() and (
                     level.reaches_outside or any(is_differentiated(c) for c in flat_cot)
                 )
             if cot_spec != out_spec:

@@ -419,6 +419,7 @@ class WrappedJvpLevel(WrappedLevel):
 
     __slots__ = ("nested", "over_plain_grads")
     torch_function_rules = _TORCH_FUNCTION_RULES
+    forward_mode = True
 
     def __init__(self):
         super().__init__()
