@@ -54,6 +54,25 @@ def _phys_at_rank(interp, x, rank):
     return x
 
 
+def _dense_unit_dims(value):
+    """`value` as a view whose size-1 dims have the strides of a dense tensor of its shape
+    (C order if contiguous, F order in the last two dims if `mT` is): the same elements,
+    since a size-1 dim is only ever indexed at 0. Needed because torch's `lu_solve` (and
+    `ldl_solve`) kernels step through the batch by `LU.stride(-3)` and `pivots.stride(-2)`
+    times the flattened batch index, while their contiguity checks ignore size-1 dims: an LU of
+    shape (2, 1, n, n) with strides (n*n, n, 1, n) (`unsqueeze(1)` of a factored batch, or
+    a copy of an expanded LU, as a `jvp` inside two vmaps makes) is taken as is and solved
+    with the wrong matrices (plain torch gives the same wrong values). A value of any
+    other layout is copied by those kernels anyway and returned as is."""
+    if not is_physical(value) or 1 not in value.shape:
+        return value
+    if value.is_contiguous():
+        return value.view(value.shape)  # view recomputes the strides from the shape
+    if value.dim() >= 2 and value.mT.is_contiguous():
+        return value.mT.view(value.mT.shape).mT
+    return value
+
+
 def _with_batch(interp, value):
     """A result computed only from unbatched values gets the batch dim (a fresh tensor,
     as an op result would be)."""
@@ -495,8 +514,9 @@ def _broadcast_rule(op, cores):
         # them themselves, but linalg_lu_solve computes wrong results from an F-contiguous
         # LU whose size-1 lead dim has an unusual stride (as padding makes).
         lead_shape = torch.broadcast_shapes(*(v.shape[: v.dim() - core] for v, (_, _, core) in zip(values, present)))
+        # The remaining size-1 lead dims get dense strides (`_dense_unit_dims`).
         for value, (container, key, core) in zip(values, present):
-            container[key] = value.expand(*lead_shape, *value.shape[value.dim() - core :])
+            container[key] = _dense_unit_dims(value.expand(*lead_shape, *value.shape[value.dim() - core :]))
         return _wrap_results(interp, op(*args, **kwargs))
 
     rule.__name__ = f"broadcast_{op.__name__}"

@@ -74,19 +74,21 @@ def _native_layer_norm(interp, input, normalized_shape, weight=None, bias=None, 
 
 
 _layer_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_layer_norm_backward.default]
-_unpack_dual = torch._VF._unpack_dual
 
 
 def _statistics_with_tangents(interp, input, normalized_shape, mean, rstd):
     """`mean` and `rstd` of layer norm recomputed from `input` (differentiable ops, so
     forward AD gives them their tangents); eps, which the backward op is not given, is the
-    constant that makes the recomputed rstd the given one (computed from the primals of
-    the physical values, which carry no tangent)."""
+    constant that makes the recomputed rstd the given one, computed from primals without
+    the direct jvp level's tangents. Those ride on the plain tensor under every vmap level
+    of the direct level: taking them off one level down (the tensor under this level's
+    wrapper) worked under one vmap only; under two, eps kept minus the tangent of var,
+    which cancelled rstd's tangent (layer-norm HVPs under two vmaps came out wrong)."""
     dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
     new_mean = input.mean(dims, keepdim=True)
     var = (input - new_mean).pow(2).mean(dims, keepdim=True).view(rstd.shape)
-    primal = lambda t: _unpack_dual(materialize(interp, t), 0)[0]  # noqa: E731
-    eps = interp.wrap(primal(rstd).pow(-2) - primal(var))
+    primal = lambda t: interp.direct_ad.unpack(t)[0]  # noqa: E731
+    eps = primal(rstd).pow(-2) - primal(var)
     return new_mean.view(mean.shape), (var + eps).rsqrt()
 
 
