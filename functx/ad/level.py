@@ -52,14 +52,18 @@ class ADLevel(Interpreter):
     `under_forward`: a forward-mode level lies below (forward over reverse, an HVP): this
     level's backward then always records (create_graph), grad mode or not, because some of
     torch's backward formulas take a shortcut without grad mode that carries no tangent
-    (linalg.solve and det reuse the forward's LU): jvp(vjp(solve)) was wrong."""
+    (linalg.solve and det reuse the forward's LU): jvp(vjp(solve)) was wrong. `under_ad`:
+    any AD level lies below (an outer functx transform will differentiate this one's
+    results: MAML's meta-gradient)."""
 
-    __slots__ = ("prev_grad_mode", "under_forward")
+    __slots__ = ("prev_grad_mode", "under_forward", "under_ad")
 
     def __init__(self):
         super().__init__()
         self.prev_grad_mode = torch.is_grad_enabled()
-        self.under_forward = any(isinstance(level, ADLevel) and level.forward_mode for level in current_stack())
+        below = [level for level in current_stack() if isinstance(level, ADLevel)]
+        self.under_forward = any(level.forward_mode for level in below)
+        self.under_ad = bool(below)
 
     # Results leave as values one level down; what they carry belongs to lower levels.
     reaches_outside = True

@@ -219,15 +219,19 @@ def _product_node(a, b, bias=None):
 def _override_product(interp, a, b) -> bool:
     """Whether the physical product a @ b (batched operands) is one torch's autograd records
     for a direct grad level (plain real tensors, one of them differentiated). Not where the
-    level's inputs stay connected to an outside graph (MAML's inner steps, a gradient
-    penalty): their gradient is built with create_graph=True, whose double backward would
-    run this Function's Python backward per product (MAML step 0.92x -> 1.17x torch.func),
-    and tiny per-task weights gain nothing from a layout."""
+    level's inputs stay connected to the graph of an outer functx transform (MAML's inner
+    steps under the meta-gradient's grad): that transform differentiates the gradient
+    again, and the double backward would run this Function's Python backward per product
+    (MAML step 0.92x -> 1.17x torch.func); tiny per-task weights gain nothing from a layout.
+    Inputs connected only because the caller's tensors require grad (`dict(
+    model.named_parameters())` passed as is) do take it: per-sample gradients must not
+    depend on whether the caller's parameters require grad (they differed by up to 7e-7
+    in float32, and in layout; dattri compares them with allclose's defaults)."""
     direct = interp.direct_ad
     return (
         direct is not None
         and not direct.forward_mode
-        and not direct.connected
+        and not (direct.connected and direct.under_ad)
         and is_physical(a)
         and is_physical(b)
         and (a.requires_grad or b.requires_grad)
