@@ -16,6 +16,7 @@ import ad_cold_start
 import ad_common
 import ad_forward
 import ad_hvp
+import ad_influence
 import ad_jacobians
 import ad_maml
 import ad_per_sample_grads
@@ -24,7 +25,7 @@ import vmap_mlp
 import vmap_overhead
 from _harness import environment, markdown_table, standard_arguments
 
-AD_SUITE = (ad_per_sample_grads, ad_jacobians, ad_maml, ad_forward, ad_hvp)
+AD_SUITE = (ad_per_sample_grads, ad_jacobians, ad_maml, ad_forward, ad_hvp, ad_influence)
 
 
 def targets_table(
