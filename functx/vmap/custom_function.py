@@ -47,6 +47,7 @@ import torch
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward, with_forward
 from ..core.errors import PerformanceWarning
 from .batched_tensor import VmapInterpreter
+from .randomness import lowered
 
 _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
 
@@ -116,6 +117,13 @@ def _recorded_above_function(function):
 
 
 def _apply_batched(level, function, args, kwargs):
+    # the user's vmap rule (or forward, one level down) runs on the physical values: the
+    # modes of this vmap level and those above let its calls through (randomness.lowered)
+    with lowered(level, None if is_new_style(function) else function):
+        return _apply_batched_lowered(level, function, args, kwargs)
+
+
+def _apply_batched_lowered(level, function, args, kwargs):
     name = function.__name__
     if not is_new_style(function):
         return _per_sample(level, function, args, kwargs)
@@ -293,17 +301,40 @@ def _settled(out):
 
 
 # -- generate_vmap_rule = True ---------------------------------------------------------
-class _Spec(NamedTuple):
-    in_dims: tuple
-    batch_size: int
-    randomness: str
+class _Spec:
+    """How one application of a generated Function is batched. It is passed to the generated
+    Function as its first argument (a plain object: levels and vmap see one non-tensor
+    argument) rather than through a thread-local: under nested vmaps each level applies its
+    own generated Function one level down before any forward runs, so a thread-local held
+    the innermost application's spec when the outer forward ran, and the inner forward read
+    the outer's in_dims (`vmap(vmap(F.apply, (0, 0)), (0, None))` broadcast wrongly)."""
+
+    __slots__ = ("in_dims", "batch_size", "randomness")
+
+    def __init__(self, in_dims, batch_size, randomness):
+        self.in_dims, self.batch_size, self.randomness = in_dims, batch_size, randomness
 
 
-_pending = threading.local()  # the spec of the generated Function being applied
+class _State:
+    """What one generated Function keeps on the ctx: its spec and where the batch dims of
+    the tensors saved through it are. Keyed on the ctx by the batched Function: under nested
+    vmaps one ctx is shared by the generated Functions of every level (each one's
+    `setup_context` runs the next one's on a proxy of the same ctx), and one set of
+    attributes was overwritten by the inner levels."""
+
+    __slots__ = ("spec", "saved_dims", "saved_forward_dims")
+
+    def __init__(self, spec):
+        self.spec, self.saved_dims, self.saved_forward_dims = spec, (), ()
+
+
+def _state(ctx, function) -> _State:
+    return ctx._functx_generated[function]
 
 
 class _CtxProxy:
-    """Stands for the real ctx: attributes it does not define itself go to the real one."""
+    """Stands for the real ctx: attributes it does not define itself go to the real one.
+    `needs_input_grad` drops the generated Function's first input (its spec)."""
 
     def __init__(self, ctx):
         object.__setattr__(self, "_ctx", ctx)
@@ -314,14 +345,19 @@ class _CtxProxy:
     def __setattr__(self, name, value):
         setattr(self._ctx, name, value)
 
+    @property
+    def needs_input_grad(self):
+        return self._ctx.needs_input_grad[1:]
+
 
 class _BatchedSaveCtx(_CtxProxy):
     """The ctx a user's `setup_context` sees under vmap: saved tensors are stored physical,
-    with their batch dims."""
+    with their batch dims (recorded in `state`)."""
 
-    def __init__(self, ctx, level):
+    def __init__(self, ctx, level, state):
         super().__init__(ctx)
         object.__setattr__(self, "_level", level)
+        object.__setattr__(self, "_state", state)
 
     def _physical(self, tensors):
         level = self._level
@@ -329,13 +365,11 @@ class _BatchedSaveCtx(_CtxProxy):
         return tuple(level.unwrap(t) for t in tensors), dims
 
     def save_for_backward(self, *tensors):
-        physical, dims = self._physical(tensors)
-        self._ctx._functx_saved_dims = dims
+        physical, self._state.saved_dims = self._physical(tensors)
         self._ctx.save_for_backward(*physical)
 
     def save_for_forward(self, *tensors):
-        physical, dims = self._physical(tensors)
-        self._ctx._functx_saved_forward_dims = dims
+        physical, self._state.saved_forward_dims = self._physical(tensors)
         self._ctx.save_for_forward(*physical)
 
     def mark_non_differentiable(self, *tensors):
@@ -355,29 +389,31 @@ class _SavedCtx(_CtxProxy):
 
 def _generated_rule_function(function):
     """A Function that is `function` under vmap; the in_dims and batch size of the current
-    application come in `_pending.spec`. Made once per Function class (`cached_on_class`)."""
+    application come as its first argument, a `_Spec`. Made once per Function class
+    (`cached_on_class`)."""
     from .api import vmap
 
-    def forward(*values):
-        spec = _pending.spec
+    def forward(spec, *values):
         return vmap(function.forward, in_dims=spec.in_dims, randomness=spec.randomness)(*values)
 
     def setup_context(ctx, inputs, output):
-        spec = _pending.spec
-        ctx._functx_spec = spec
-        ctx._functx_saved_dims = ()
-        ctx._functx_saved_forward_dims = ()
+        spec, inputs = inputs[0], inputs[1:]
+        states = getattr(ctx, "_functx_generated", None)
+        if states is None:
+            states = ctx._functx_generated = {}
+        state = states[function] = _State(spec)
 
         def inner(inputs, output):
             from ..core.interpreter import top_interpreter
 
-            function.setup_context(_BatchedSaveCtx(ctx, top_interpreter()), inputs, output)
+            function.setup_context(_BatchedSaveCtx(ctx, top_interpreter(), state), inputs, output)
             return torch.zeros(())
 
         vmap(inner, in_dims=(spec.in_dims, 0), out_dims=None, randomness=spec.randomness)(tuple(inputs), output)
 
     def backward(ctx, *grads):
-        spec = ctx._functx_spec
+        state = _state(ctx, function)
+        spec = state.spec
         grad_dims = tuple(None if g is None else 0 for g in grads)
 
         is_none = []  # per input: whether the user's backward gave None (vmap needs tensors)
@@ -389,25 +425,27 @@ def _generated_rule_function(function):
             return tuple(g for g in per_input if g is not None)
 
         tensors = iter(
-            vmap(inner, in_dims=(ctx._functx_saved_dims, grad_dims), randomness=spec.randomness)(
+            vmap(inner, in_dims=(state.saved_dims, grad_dims), randomness=spec.randomness)(
                 tuple(ctx.saved_tensors), grads
             )
         )
         per_input = tuple(None if none else next(tensors) for none in is_none)
-        # an unbatched input's gradient is the sum of its per-sample gradients
-        return tuple(
+        # an unbatched input's gradient is the sum of its per-sample gradients; none for the spec
+        return (None,) + tuple(
             g.sum(0) if isinstance(g, torch.Tensor) and dim is None else g
             for g, dim in zip(per_input, spec.in_dims)
         )
 
     def jvp(ctx, *tangents):
-        spec = ctx._functx_spec
+        state = _state(ctx, function)
+        spec = state.spec
+        tangents = tangents[1:]  # (the spec has none)
         tangent_dims = tuple(None if t is None else d for t, d in zip(tangents, spec.in_dims))
 
         def inner(saved, tangents):
             return function.jvp(_SavedCtx(ctx, saved), *tangents)
 
-        return vmap(inner, in_dims=(ctx._functx_saved_forward_dims or ctx._functx_saved_dims, tangent_dims), randomness=spec.randomness)(
+        return vmap(inner, in_dims=(state.saved_forward_dims or state.saved_dims, tangent_dims), randomness=spec.randomness)(
             tuple(ctx.saved_tensors), tangents
         )
 
@@ -428,12 +466,8 @@ def _apply_generated_rule(level, function, args, kwargs):
     # the generated backward gives each input's gradient with its batch dim first
     in_dims, values = in_dims_and_values(level, args)
     generated = cached_on_class(function, "vmap", _generated_rule_function)
-    previous = getattr(_pending, "spec", None)
-    _pending.spec = _Spec(in_dims, level.batch_size, level.randomness)
-    try:
-        outputs = generated.apply(*values, **kwargs)  # one level down (maybe another transform)
-    finally:
-        _pending.spec = previous
+    spec = _Spec(in_dims, level.batch_size, level.randomness)
+    outputs = generated.apply(spec, *values, **kwargs)  # one level down (maybe another transform)
     return wrap_user_outputs(level, (outputs, 0), args, values, f"the generated vmap rule of {function.__name__}")
 
 

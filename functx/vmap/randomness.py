@@ -7,16 +7,26 @@ never reach the dispatcher through a BatchedTensor, so a TorchFunctionMode, push
 the duration of each vmap call, intercepts them. It costs one dictionary lookup for
 every other torch call. The same mode also routes two non-random calls: indexing with
 batched 0-dim integer tensors, and `torch.autograd.grad` / `.backward()` (autograd_calls.py).
+
+Torch functions written in Python (`torch.svd_lowrank`, `F.gumbel_softmax`,
+`torch.nn.init.normal_`) reach the mode as one call; their bodies run with the mode on, so
+the draws inside follow the policy too. Code that runs below a vmap level while its mode is
+on the stack (an autograd.Function's `vmap` staticmethod and the forward it applies one
+level down) runs with that level's mode, and the modes above it, lowered (`lowered`).
 """
 
 from __future__ import annotations
 
+import threading
+from types import FunctionType
+
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, redispatch_function
 
 from ..core.factories import FACTORIES
 from ..core.dual_values import call_at_values, in_level_rule
+from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 from .chain import peel
@@ -72,11 +82,67 @@ def _is_factory_call(func, args, kwargs):
 def _dropout_is_active(func, args, kwargs):
     """Dropout draws random numbers only in training mode and with p > 0."""
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    if func is torch.dropout or func is torch.dropout_ or func is torch.feature_dropout or func is torch.alpha_dropout:
+    if func in (torch.dropout, torch.dropout_, torch.feature_dropout, torch.alpha_dropout, torch.native_dropout):
         training = args[2] if len(args) > 2 else kwargs.get("train", True)
     else:
         training = args[2] if len(args) > 2 else kwargs.get("training", True)
     return bool(training) and p != 0
+
+
+class _Lowered(threading.local):
+    # the vmap levels whose modes let calls through untouched (`lowered`), each mapped to
+    # None, or to the old-style Function it runs once per batch element
+    interps: dict = {}
+
+
+_lowered = _Lowered()
+
+
+class lowered:
+    """While code of the levels below runs on the physical values of vmap level `level` (an
+    autograd.Function's `vmap` staticmethod, and the Function it applies one level down,
+    whose `forward` torch runs on plain tensors), the modes of `level` and of the vmap
+    levels above it let every call through untouched, as torch.func's `interpreter.lower()`
+    does: that code is not the vmapped function's (an inner vmap's mode would batch a draw
+    of code that runs below it). Otherwise a tensor such a `forward` made
+    (`torch.as_tensor(ndarray)`, `torch.tensor(list)`) was lifted into a batched copy when
+    a direct grad level had batched an input (`_lift_buffer`), and the forward handed a
+    BatchedTensor to torch's autograd: `vmap(grad(f), in_dims=(0, None))` gave garbage
+    per-sample gradients.
+
+    `per_sample`: the old-style Function `level` runs once per element (its forward is the
+    vmapped function's code for one element): its random calls draw per element, which is
+    `randomness="different"`; under "error" they raise and under "same" they are refused
+    (`_check_per_sample_draw`)."""
+
+    __slots__ = ("_below", "_previous")
+
+    def __init__(self, level, per_sample=None):
+        self._below = {v: None for v in current_stack() if type(v) is type(level) and v.level > level.level}
+        self._below[level] = per_sample
+
+    def __enter__(self):
+        self._previous = _lowered.interps
+        _lowered.interps = {**self._previous, **self._below}
+
+    def __exit__(self, *exc):
+        _lowered.interps = self._previous
+
+
+def _check_per_sample_draw(interp, function, func, args, kwargs):
+    kind = _RANDOM_FUNCS[func]
+    if kind not in ("factory", "tensor", "dropout", "inplace") or interp.randomness == "different":
+        return
+    if kind == "dropout" and not _dropout_is_active(func, args, kwargs):
+        return
+    if interp.randomness == "error":
+        raise random_op_error()
+    raise RuntimeError(
+        f"vmap: randomness='same' cannot hold inside the old-style autograd.Function "
+        f"{function.__name__}: vmap runs it once per batch element, so every element draws its "
+        f"own numbers. Use randomness='different', or give {function.__name__} a setup_context "
+        f"staticmethod and a vmap staticmethod (or generate_vmap_rule=True)."
+    )
 
 
 class RandomnessMode(TorchFunctionMode):
@@ -88,8 +154,21 @@ class RandomnessMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        below = _lowered.interps
+        if below and self.interp in below:  # code running below this level (`lowered`)
+            if below[self.interp] is not None and func in _RANDOM_FUNCS:
+                _check_per_sample_draw(self.interp, below[self.interp], func, args, kwargs)
+            return func(*args, **kwargs)
         kind = _RANDOM_FUNCS.get(func)
         if kind is None:
+            if _written_in_python(func) and not in_level_rule():
+                # Its body ran with this mode off (we are inside the mode's handler): the
+                # `torch.randn` inside svd_lowrank was neither refused ("error") nor drawn
+                # per element ("different"), and its buffers were not lifted. Run the body
+                # with the mode on, skipping the one hop of torch function that brought the
+                # call here, so each of its torch calls is handled as the user's own.
+                with self:
+                    return redispatch_function(func, types, args, kwargs)
             if self.interp.over_dual_values and not in_level_rule():  # core/dual_values.py
                 out = call_at_values(func, args, kwargs)
             else:
@@ -105,6 +184,16 @@ class RandomnessMode(TorchFunctionMode):
         if kind == "backward":
             return route_backward(self.interp, func, args, kwargs)
         return _handle_random(self.interp, func, kind, args, kwargs)
+
+
+def _written_in_python(func) -> bool:
+    """Whether `func` is a torch function written in Python (torch.svd_lowrank,
+    torch.pca_lowrank, F.gumbel_softmax, torch.nn.init.*, any library function with a
+    `has_torch_function` guard), which reaches the modes as one call when it meets a wrapper.
+    Not the Tensor methods written in Python (`unflatten`, `split`, `__rsub__`; none draws):
+    the `super().unflatten(...)` in their body reaches the modes as the Python method again,
+    and running that body with the mode on would recurse."""
+    return type(func) is FunctionType and getattr(torch.Tensor, func.__name__, None) is not func
 
 
 def _lift_buffer(interp, direct, out):
@@ -220,15 +309,18 @@ for _f in (torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal)
 for _f in (
     torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, torch.Tensor.bernoulli,
     torch.multinomial, torch.Tensor.multinomial, torch.poisson, torch.rrelu, F.rrelu,
+    # what torch.distributions samples with (Binomial, Gamma/Beta/Chi2, Dirichlet)
+    torch.binomial, torch._standard_gamma, torch._sample_dirichlet,
 ):
     _RANDOM_FUNCS[_f] = "tensor"
 for _f in (
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    torch.dropout, torch.feature_dropout, torch.alpha_dropout,
+    torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.native_dropout,
 ):
     _RANDOM_FUNCS[_f] = "dropout"
 for _f in (
     torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.exponential_,
     torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.bernoulli_,
+    torch.rrelu_,
 ):
     _RANDOM_FUNCS[_f] = "inplace"
