@@ -15,7 +15,9 @@ Two ways to fold the vmap batch B into one kernel call:
   norm in training mode computes them over the logical (N, *spatial) of each element,
   so (B, N, C, ...) runs as (N, B*C, ...) with parameters and running stats of size B*C.
 Batched affine parameters (model ensembles) are applied afterwards with broadcasting,
-after one normalization call without them.
+after one normalization call without them. Batch norm of an unbatched input in training
+mode normalizes once too, whatever the running stats: its statistics are the same for
+every element (`_batch_norm_unbatched_input`).
 """
 
 import torch
@@ -202,20 +204,37 @@ def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running
     # Running stats are updated in place by the kernel: flatten them as views where the
     # layout allows (then nothing to write back), copy otherwise and write the update
     # back. A write-back onto the same memory would still bump the version counter of a
-    # tensor autograd saved, breaking a later backward.
+    # tensor autograd saved, breaking a later backward. An unbatched running stat in
+    # training mode (see `_input_batched_by_ad_level`) takes its update only once every
+    # element's update is checked equal: then every stat is a copy, so that nothing is
+    # written before the check.
+    shared_update = training and not all(interp.is_batched(s) for s in (running_mean, running_var) if s is not None)
     stats, copied = [], []
     for s in (running_mean, running_var):
         value = None if s is None else materialize(interp, s)
-        viewable = value is None or value.is_contiguous()
-        stats.append(None if value is None else value.view(-1) if viewable else value.contiguous().view(-1))
+        viewable = value is None or (value.is_contiguous() and not shared_update)
+        if value is not None and not viewable:
+            value = value.clone(memory_format=torch.contiguous_format)  # its own memory
+        stats.append(None if value is None else value.view(-1))
         copied.append(not viewable)
     out, save_mean, save_invstd = aten.native_batch_norm.default(
         folded, _flat_channels(interp, weight), _flat_channels(interp, bias), *stats, training, momentum, eps
     )
     if training:
-        for original, flat, is_copy in zip((running_mean, running_var), stats, copied):
-            if is_copy:
-                original._value.copy_(flat.view(original._value.shape))
+        originals = (running_mean, running_var)
+        updates = [None if flat is None else flat.view(batch, *s.shape) for s, flat in zip(originals, stats)]
+        for original, update in zip(originals, updates):
+            if update is not None and not interp.is_batched(original):
+                # one value for the whole batch: every element must have written the same
+                # (plain values only: under an outer vmap the check would be per element)
+                same = type(update) is torch.Tensor and torch.equal(update, update[:1].expand_as(update))
+                if not same:
+                    raise _unbatched_running_stats_error()
+        for original, update, is_copy in zip(originals, updates, copied):
+            if is_copy and interp.is_batched(original):
+                original._value.copy_(update)
+            elif is_copy:
+                original.copy_(update[0])
     out = out.unflatten(1, (batch, channels)).movedim(1, 0)
     if save_mean.numel() == batch * channels:  # training: per (element, channel) statistics
         stats = (interp.wrap(t.view(batch, channels)) for t in (save_mean, save_invstd))
@@ -235,6 +254,49 @@ def _channel_vector(interp, t):
     return t.view(-1) if t.is_contiguous() else t.flatten()
 
 
+def _batch_norm_unbatched_input(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """An unbatched input whose normalization is the same for every batch element: training
+    mode (the statistics come from the input alone) or eval mode with unbatched running
+    stats. One kernel call without weight/bias (batched ones, a model ensemble, are applied
+    afterwards). In training mode every element makes the same update
+    `stat <- (1 - momentum) * stat + momentum * batch_stat`: an unbatched running stat
+    takes it once (as per element), a batched one per element. For a batched stat the kernel
+    gets a zero buffer, so it holds `momentum * batch_stat` (the kernel's own rounding,
+    unbiased variance included), and each element's buffer is blended with it here."""
+    kernel_stats, blends = [], []
+    for s in (running_mean, running_var):
+        if s is not None and interp.is_batched(s):
+            # Only training mode gets here with a batched stat (eval with one folds channels).
+            zeros = s._value.new_zeros(s._value.shape[1:])
+            kernel_stats.append(zeros)
+            blends.append((s._value, zeros))
+        else:
+            kernel_stats.append(s)
+    out, save_mean, save_invstd = aten.native_batch_norm.default(
+        input, None, None, *kernel_stats, training, momentum, eps
+    )
+    for value, update in blends:
+        value.mul_(1 - momentum).add_(update)
+    out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=input.dim() - 2)
+    if not _any_batched(interp, weight, bias):
+        # Only running stats are batched: the output is the same for every element. A copy
+        # per element, not an expanded view, so that the caller may write into it in place.
+        out = out.expand(interp.batch_size, *out.shape).clone()
+    return interp.wrap(out), _batched_stat(interp, save_mean, False), _batched_stat(interp, save_invstd, False)
+
+
+def _input_batched_by_ad_level(interp) -> bool:
+    """Whether a direct AD level right inside this vmap gave an unbatched differentiated input
+    a batch dim (`vmap(grad(f), in_dims=(None, ...))`, README "grad, jacrev and jvp inside
+    vmap"). Then a batched input of batch norm may hold the same value for every element
+    (where torch.func, whose grad level keeps such inputs unbatched, sees it unbatched), and
+    training mode with an unbatched running stat is a per-sample program when every element
+    makes the same update to it: `_batch_norm_fold_channels` checks that on the values and
+    raises the usual error otherwise."""
+    direct = interp.direct_ad
+    return direct is not None and direct.lifts_buffers
+
+
 def _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
     """native_batch_norm's batching rule: (out, save_mean, save_invstd)."""
     if not training and (running_mean is None or running_var is None):
@@ -243,14 +305,9 @@ def _batch_norm(interp, input, weight, bias, running_mean, running_var, training
     x_batched = interp.is_batched(input)
     stats = [s for s in (running_mean, running_var) if s is not None]
     stats_batched = [interp.is_batched(s) for s in stats]
-    if not x_batched and not any(stats_batched):
-        # Only weight/bias are batched (an ensemble on one input): normalize once.
-        out, save_mean, save_invstd = aten.native_batch_norm.default(
-            input, None, None, running_mean, running_var, training, momentum, eps
-        )
-        out = _apply_affine(interp, out, input.dim(), weight, bias, trailing=input.dim() - 2)
-        return interp.wrap(out), _batched_stat(interp, save_mean, False), _batched_stat(interp, save_invstd, False)
-    if training and not all(stats_batched):
+    if not x_batched and (training or not any(stats_batched)):
+        return _batch_norm_unbatched_input(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
+    if training and not all(stats_batched) and not _input_batched_by_ad_level(interp):
         raise _unbatched_running_stats_error()
     if not training and not any(stats_batched):
         return _batch_norm_fold_n(interp, input, weight, bias, running_mean, running_var, momentum, eps)
