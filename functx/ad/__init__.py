@@ -1,10 +1,11 @@
 """Automatic differentiation: reverse mode (grad levels over torch autograd) and forward
 mode, plus the Jacobian/Hessian transforms built from them."""
 
+from . import checkpointing  # noqa: F401  (torch.utils.checkpoint under transforms)
 from . import custom_function  # noqa: F401  (autograd.Function at grad and jvp levels)
 from . import library_ops  # noqa: F401  (torch.library operators keep their tangents)
-from .forward import hessian, jacfwd, jvp, linearize
 from . import user_backward  # noqa: F401  (.backward() inside a transform: a clear error)
+from .forward import hessian, jacfwd, jvp, linearize
 from .reverse import grad, grad_and_value, jacrev, vjp
 
 __all__ = ["grad", "grad_and_value", "hessian", "jacfwd", "jacrev", "jvp", "linearize", "vjp"]

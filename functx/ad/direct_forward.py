@@ -22,6 +22,11 @@ their tangents: forward-over-reverse), a `jvp` inside wraps with carriers (its l
 and no level opened inside lets this level's tangents onto its wrappers, where they would
 be confused with its own (core/dual_values.py).
 
+As at every AD level, an in-place write of a value with this level's tangent into a tensor
+from outside the function (`captured.copy_(x)`, `captured[0:2] = x`) is refused while the
+function runs (lifting.CapturedWrites), as torch.func refuses it: the caller's tensor would
+carry the level's tangent (and, under a grad on values, its graph).
+
     >>> import torch, functx
     >>> x = torch.randn(3, 2)
     >>> _, t = functx.vmap(lambda r: functx.jvp(torch.sin, (r,), (torch.ones(2),)))(x)
@@ -34,8 +39,9 @@ from __future__ import annotations
 import torch
 
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
-from .direct_reverse import install_above, install_direct_level, restore_above, restore_direct_level
+from .direct_reverse import install_above, install_direct_level, recorded_at, restore_above, restore_direct_level
 from .level import ADLevel, unwrap_level
+from .lifting import CapturedWrites
 from .wrapped_forward import _tangent_like, load_forward_decompositions
 
 _make_dual = torch._make_dual
@@ -46,7 +52,7 @@ _DUAL_LEVEL = 0
 class DirectJvpLevel(ADLevel):
     """A jvp level run by torch's forward AD on the tensors under `vmap_levels`."""
 
-    __slots__ = ("vmap_levels", "lifts_buffers", "_outer")
+    __slots__ = ("vmap_levels", "lifts_buffers", "_outer", "_writes")
     forward_mode = True
 
     def __init__(self, vmap_levels):
@@ -55,6 +61,7 @@ class DirectJvpLevel(ADLevel):
         self.vmap_levels = tuple(vmap_levels)
         self.lifts_buffers = False  # as DirectGradLevel's: set when `dual` batches a primal
         self._outer = ()
+        self._writes = None  # lifting.CapturedWrites while the function runs
 
     @property
     def dual_values(self) -> bool:
@@ -65,11 +72,15 @@ class DirectJvpLevel(ADLevel):
     def pushed(self):
         if not self.vmap_levels:
             self._outer = install_above(self)
-            return
-        # vmap's rules keep forward AD on for these tangents (batched_tensor.py)
-        self._outer = install_direct_level(self.vmap_levels, self)
+        else:
+            # vmap's rules keep forward AD on for these tangents (batched_tensor.py)
+            self._outer = install_direct_level(self.vmap_levels, self)
+        self._writes = CapturedWrites(self, "jvp")
+        self._writes.__enter__()
 
     def popped(self):
+        self._writes.__exit__(None, None, None)
+        self._writes = None
         if not self.vmap_levels:
             restore_above(self._outer)
             return
@@ -116,6 +127,12 @@ class DirectJvpLevel(ADLevel):
 
     def depends(self, output) -> bool:
         return self.unpack(output)[1] is not None
+
+    def differentiates(self, x) -> bool:
+        """Whether `x` (any tensor of the function) carries this level's tangent: the tensor
+        torch's forward AD records it on (DirectGradLevel.recorded) has one."""
+        t = recorded_at(self, self.vmap_levels, x)
+        return isinstance(t, torch.Tensor) and _unpack_dual(t, _DUAL_LEVEL)[1] is not None
 
     def export(self, tree):
         return tree  # `unpack` already took this level's tangents off

@@ -25,7 +25,11 @@ What wrappers would give for free is kept by hand:
   Found by walking the function's graph once (`seal`);
 - an outer `torch.no_grad()` around the transform holds for those outside tensors;
 - a user's `detach()` is plain `detach` of the values: it cuts this level and every level
-  below, as torch.func's does.
+  below, as torch.func's does;
+- an in-place write of a differentiated value into a tensor from outside the function
+  (`captured.copy_(x)`, `captured[0:2] = x`) is refused while the function runs
+  (lifting.CapturedWrites), as wrapped levels and torch.func refuse it: recorded on the
+  values, it would leave the caller's tensor holding this level's graph.
 
     >>> import torch
     >>> from functx.core.interpreter import interpreting
@@ -48,6 +52,7 @@ from ..core.level_tensor import LevelTensor
 from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, wrap_chain
 from .level import ADLevel, autograd_grad, unwrap_level
+from .lifting import CapturedWrites
 
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
@@ -87,7 +92,10 @@ class DirectGradLevel(ADLevel):
     """A grad level run by plain autograd on the tensors under `vmap_levels` (the vmap levels
     on top of the stack when it opened, innermost last; empty for the outermost level)."""
 
-    __slots__ = ("vmap_levels", "reaches_outside", "lifts_buffers", "over_values", "connected", "_outer")
+    __slots__ = (
+        "vmap_levels", "reaches_outside", "lifts_buffers", "over_values", "connected", "_outer",
+        "_writes", "_own_nodes",
+    )
     forward_mode = False
 
     def __init__(self, vmap_levels=(), over_values=False):
@@ -105,19 +113,64 @@ class DirectGradLevel(ADLevel):
         # vmap rules keep to ops whose double backward torch runs in C++ (rules/linalg.py).
         self.connected = False
         self._outer = ()
+        # While the function runs: the mode refusing writes into captured tensors, and the
+        # graph nodes of the leaves that stay connected to an outside graph (`differentiates`)
+        self._writes = None
+        self._own_nodes = set()
 
     def pushed(self):
         if self.over_values:
             self._outer = install_above(self)
-            return
-        # vmap's `requires_grad` and its routing of torch.autograd.grad ask this level
-        self._outer = install_direct_level(self.vmap_levels, self)
+        else:
+            # vmap's `requires_grad` and its routing of torch.autograd.grad ask this level
+            self._outer = install_direct_level(self.vmap_levels, self)
+        self._writes = CapturedWrites(self, "grad")
+        self._writes.__enter__()
 
     def popped(self):
+        self._stop_checking_writes()  # the function raised before `seal`
         if self.over_values:
             restore_above(self._outer)
             return
         restore_direct_level(self.vmap_levels, self._outer)
+
+    def _stop_checking_writes(self):
+        if self._writes is not None:
+            self._writes.__exit__(None, None, None)
+            self._writes = None
+        self._own_nodes = set()  # no longer needed: do not keep an outside graph alive
+
+    def recorded(self, x):
+        """The tensor under `x` that torch's autograd records this level on: under the
+        wrappers of levels opened inside this one and of its own vmap levels (the vmap levels
+        under a level on values have autograd above them: it records their BatchedTensors)."""
+        return recorded_at(self, self.vmap_levels, x)
+
+    def differentiates(self, x) -> bool:
+        """Whether `x` (any tensor of the function) depends on this level's differentiated
+        inputs: autograd's graph of the plain tensor under its wrappers reaches one of this
+        level's leaves. (A tensor tracked only by an outside graph, a parameter closed over,
+        does not.) Asked for the in-place writes into tensors from outside the function."""
+        t = self.recorded(x)
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            return False
+        if t.grad_fn is None:
+            return getattr(t, "_functx_leaf_of", None) is self
+        own, seen, stack = self._own_nodes, set(), [t.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in own:
+                return True
+            variable = getattr(node, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if getattr(variable, "_functx_leaf_of", None) is self:
+                    return True
+                continue
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+        return False
 
     def tracked(self, x):
         """The tensor autograd tracks for `x`: the plain tensor under its wrappers of these levels."""
@@ -134,13 +187,16 @@ class DirectGradLevel(ADLevel):
             primal, tangent = _unpack_dual(x, _DUAL_LEVEL)
             if tangent is not None:  # a jvp on values below: the leaf keeps the tangent
                 if x.requires_grad and self.prev_grad_mode:
-                    return x.view_as(x)  # a view keeps both the outside graph and the tangent
+                    leaf = x.view_as(x)  # a view keeps both the outside graph and the tangent
+                    self._own_nodes.add(leaf.grad_fn)
+                    return leaf
                 leaf = primal.detach().requires_grad_()
                 leaf._functx_leaf_of = self
                 return _make_dual(leaf, tangent, level=_DUAL_LEVEL)
         if physical.requires_grad and self.prev_grad_mode:
             self.connected = True
             leaf = physical.view_as(physical)  # stays connected to the outside graph
+            self._own_nodes.add(leaf.grad_fn)
         else:
             # a tensor made under torch.inference_mode() cannot require grad: differentiate a copy
             leaf = (physical.clone() if physical.is_inference() else physical.detach()).requires_grad_()
@@ -160,6 +216,7 @@ class DirectGradLevel(ADLevel):
 
     def seal(self, outputs, leaves) -> None:
         """After the function ran: does its graph reach tensors tracked outside?"""
+        self._stop_checking_writes()
         tracked = self.tracked
         self.reaches_outside = self.prev_grad_mode and _reaches_outside(
             [tracked(o) for o in outputs], [tracked(x) for x in leaves], self
@@ -256,11 +313,20 @@ class DirectGradLevel(ADLevel):
         if self.over_values:
             tangent = _unpack_dual(x, _DUAL_LEVEL)[1]
             if tangent is not None:  # a jvp on values below differentiates it: keep its tangent
-                return _make_dual(x.detach(), tangent, level=_DUAL_LEVEL)
+                # (detached too: the backward recorded for the tangents, `under_forward`, is
+                # this level's own graph)
+                return _make_dual(x.detach(), tangent.detach(), level=_DUAL_LEVEL)
         return x.detach()
 
     def process(self, op, args, kwargs):  # pragma: no cover - no tensor carries this level
         raise AssertionError("a direct grad level has no tensors of its own")
+
+
+def recorded_at(level, vmap_levels, x):
+    """The tensor under `x` that a direct level records on (see `DirectGradLevel.recorded`)."""
+    while isinstance(x, LevelTensor) and (x._interp.level > level.level or x._interp in vmap_levels):
+        x = x._value
+    return x
 
 
 def _is_outside(leaf, own, level=None) -> bool:
@@ -301,6 +367,16 @@ def _reaches_outside(outputs, leaves, level=None) -> bool:
             else:
                 stack.append(child)
     return False
+
+
+def without_own_graph(x):
+    """A plain result whose autograd graph was recorded only for the forward-mode tangents
+    riding on it (`ADLevel.under_forward`): detached, its tangent kept (detached too).
+    Wrappers are left as they are (detaching one would stop every level)."""
+    if type(x) is not torch.Tensor or not x.requires_grad:
+        return x
+    tangent = _unpack_dual(x, _DUAL_LEVEL)[1]
+    return x.detach() if tangent is None else _make_dual(x.detach(), tangent.detach(), level=_DUAL_LEVEL)
 
 
 def is_differentiated(x) -> bool:

@@ -16,7 +16,9 @@ by per-sample gradients, MAML's inner steps or the outermost `grad`, which are d
 Inside `__torch_dispatch__` and functx's own code (`functx_code`) torch functions are off,
 so rules and bookkeeping never see it. A write into a tensor from outside the function
 (a captured tensor) cannot be lifted: it raises `raise_captured_write`'s error, as
-torch.func does.
+torch.func does. Direct levels own no tensors and see no ops: there `CapturedWrites`, a
+lighter mode (a dict lookup and an attribute per call on top of the mode's own ~1 µs),
+refuses those writes while the function runs.
 
     >>> import torch, functx
     >>> def f(a):
@@ -35,7 +37,8 @@ from torch.overrides import TorchFunctionMode
 from ..core.dual_values import call_at_values, in_level_rule
 from ..core.errors import op_name
 from ..core.factories import FACTORIES
-from ..core.level_tensor import level_of
+from ..core.interpreter import functx_code
+from ..core.level_tensor import LevelTensor, level_of
 
 
 class FactoryLifting(TorchFunctionMode):
@@ -70,11 +73,165 @@ class FactoryLifting(TorchFunctionMode):
 
 
 def raise_captured_write(op, transform: str):
-    """An in-place op would write a differentiated value of a wrapped AD level into a tensor
-    that is not the level's (made outside the function): torch.func refuses it too."""
+    """An in-place op would write a differentiated value of an AD level into a tensor that
+    is not the level's (made outside the function): torch.func refuses it too, with a
+    RuntimeError saying the op "would mutate a captured Tensor"."""
     raise RuntimeError(
         f"functx.{transform}: {op_name(op)} writes in place into a tensor that was not made inside "
         f"the transformed function (a captured tensor), but the value it writes depends on the "
-        f"inputs being differentiated. Make the tensor inside the function (e.g. `buf = "
-        f"torch.zeros(...)` there, or `buf = captured.clone()`), or use the out-of-place op."
+        f"inputs being differentiated: it would mutate a captured Tensor (torch.func refuses "
+        f"it too). Make the tensor inside the function (e.g. `buf = torch.zeros(...)` there, or "
+        f"`buf = captured.clone()`, and return it), or use the out-of-place op."
     )
+
+
+# Python names of the tensor methods that write into `self` besides those ending in one `_`
+_INPLACE_DUNDERS = frozenset(
+    f"__i{name}__" for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                "and", "or", "xor", "lshift", "rshift")
+) | {"__setitem__"}  # fmt: skip
+
+
+def _named_in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+_WRITES_IN_PLACE: dict = {}  # torch function -> `_named_in_place(func)`
+
+
+def _writes_in_place(func) -> bool:
+    """Whether torch function `func` writes into its first argument (`copy_`, `add_`,
+    `index_put_`, `__setitem__`, `__iadd__`, `torch._foreach_mul_`...)."""
+    try:
+        return _WRITES_IN_PLACE[func]
+    except KeyError:
+        writes = _WRITES_IN_PLACE[func] = _named_in_place(func)
+        return writes
+    except TypeError:  # not hashable
+        return _named_in_place(func)
+
+
+def _tensors(items):
+    """The tensors among `items`, one level of lists and tuples opened (`torch.cat`'s
+    inputs, `index_put_`'s indices, `_foreach_*` lists)."""
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif type(x) is list or type(x) is tuple:
+            for e in x:
+                if isinstance(e, torch.Tensor):
+                    yield e
+
+
+_MADE_AT = "_functx_made_at"
+
+
+def _mark_made(out, number, args):
+    """Record on the tensors a call of the function returned (other than its arguments) that
+    they were made while the level numbered `number` ran (levels opened inside have larger
+    numbers and overwrite it). A result that is a view of a tensor the call made itself (a
+    decomposition's temporary: `repeat` returns a view of one) has that base marked too;
+    a view of an argument or of an argument's base (`captured[1:]`) has not."""
+    given = set()
+    for a in _tensors(args):
+        given.add(id(a))
+        if a._base is not None:
+            given.add(id(a._base))
+    if isinstance(out, torch.Tensor):
+        outs = (out,)
+    elif isinstance(out, (tuple, list)):  # several outputs (also namedtuples: torch.max)
+        outs = out
+    else:
+        return
+    for o in outs:
+        if isinstance(o, torch.Tensor) and id(o) not in given:
+            if getattr(o, _MADE_AT, 0) < number:  # (an outer level never lowers an inner mark)
+                setattr(o, _MADE_AT, number)
+            base = o._base
+            if base is not None and id(base) not in given and getattr(base, _MADE_AT, 0) < number:
+                setattr(base, _MADE_AT, number)
+
+
+class CapturedWrites(TorchFunctionMode):
+    """While the function of a *direct* AD level runs (direct_reverse.py, direct_forward.py):
+    refuse an in-place write of a value the level differentiates into a tensor from outside
+    the function, as wrapped levels (`raise_captured_write`) and torch.func do.
+
+    A direct level owns no tensors: torch's autograd or forward AD records on the values
+    themselves, so such a write left the caller's tensor with the level's history
+    (`captured.copy_(x)` under the outermost `grad`: `grad_fn=<CopyBackwards>` on the
+    user's tensor after the transform returned; through a view, `CopySlices`), which no
+    dispatch-level check sees. This mode sees the user's torch calls: each tensor a call
+    returns is marked as made while the level ran (`_mark_made`), and a write whose target's
+    base (a view's `_base`) is unmarked and does not depend on the level itself, of a value
+    that depends on it (`level.differentiates`), is refused before anything is written.
+    Writes of values the level does not differentiate (`captured.add_(1)`, a constant, a
+    detached value, BatchNorm's running statistics) stay allowed, as do writes into what
+    the function made. Only the user's own calls are seen (torch functions are off inside
+    functx's code and inside each handled call), and the check costs a name test per call;
+    the mode leaves when the function has returned (`DirectGradLevel.seal`), so a backward
+    is not checked."""
+
+    def __init__(self, level, transform: str):
+        super().__init__()
+        self.level = level
+        self.transform = transform
+        self.number = level.level
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Paid by every torch call of the function: kept to a dict lookup and an attribute.
+        if kwargs:
+            writes_first = _writes_in_place(func)
+            in_place = writes_first or "out" in kwargs
+            if in_place:
+                with functx_code():
+                    self._check(func, args, kwargs, writes_first)
+            out = func(*args, **kwargs)
+        else:
+            in_place = _writes_in_place(func)
+            if in_place:
+                with functx_code():
+                    self._check(func, args, {}, True)
+            out = func(*args)
+        # A call may return a tensor it was given (an in-place op its target, `contiguous()`
+        # or `.to()` their input as it is): that tensor was not made here.
+        if in_place:
+            return out
+        if type(out) is torch.Tensor and out._base is None:
+            for a in args:
+                if a is out:
+                    return out
+            if getattr(out, _MADE_AT, 0) < self.number:  # (the innermost level's number stays)
+                out._functx_made_at = self.number
+        else:
+            _mark_made(out, self.number, args)
+        return out
+
+    def _check(self, func, args, kwargs, in_place):
+        targets = list(_tensors([args[0]])) if in_place and args else []
+        values = list(_tensors(args[1:] if in_place else args))
+        for key, value in kwargs.items():
+            (targets if key == "out" else values).extend(_tensors([value]))
+        level = self.level
+        for target in targets:
+            if self._made_inside(target):
+                continue
+            if any(level.differentiates(v) for v in values):
+                raise_captured_write(func, self.transform)
+
+    def _made_inside(self, target) -> bool:
+        """Whether the tensor `target` writes into (its base, for a view) was made while the
+        function ran (at this level or one opened inside it), or depends on the level (a
+        result of a transform called inside, made in functx's code, unmarked). The wrappers
+        of levels opened inside are looked through: a wrapped level lifts the plain tensor a
+        factory made (which this mode marked) into a new wrapper."""
+        x = target
+        while True:
+            base = x._base if x._base is not None else x
+            if getattr(base, _MADE_AT, 0) >= self.number:  # (a view made inside of a captured tensor is not)
+                return True
+            if not (isinstance(x, LevelTensor) and x._interp.level > self.number):
+                # (a dual tensor is a view of its primal: the view may carry the tangent)
+                return self.level.differentiates(x) or self.level.differentiates(base)
+            x = x._value

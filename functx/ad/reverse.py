@@ -20,7 +20,7 @@ from .arguments import (
     select_argnums,
 )
 from .choose import choose_level
-from .direct_reverse import is_differentiated
+from .direct_reverse import is_differentiated, without_own_graph
 from .level import recording, unwrap_level
 
 
@@ -60,13 +60,17 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
     def vjp_fn(cotangents, retain_graph=True, create_graph=None):
         with functx_code():
             flat_cot, cot_spec = pytree.tree_flatten(cotangents)
+            only_for_tangents = False
             if create_graph is None:
                 # torch.func's default is the grad mode; a plain level also needs something to
                 # differentiate the result: the outside graph or a differentiated cotangent.
-                # Over a forward-mode level always, grad mode or not (level.py: ADLevel).
-                create_graph = level.under_forward or torch.is_grad_enabled() and (
+                create_graph = torch.is_grad_enabled() and (
                     level.reaches_outside or any(is_differentiated(c) for c in flat_cot)
                 )
+                # Over a forward-mode level always, grad mode or not (level.py: ADLevel); the
+                # graph recorded only for that is the level's own and does not leave it.
+                only_for_tangents = level.under_forward and not create_graph
+                create_graph = create_graph or only_for_tangents
             if cot_spec != out_spec:
                 raise RuntimeError(
                     f"Expected pytree structure of cotangents to be the same as pytree structure of "
@@ -82,6 +86,8 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
         with recording() if create_graph else torch.no_grad():
             grads = level.vjp(flat_out, flat_diff, flat_cot, create_graph=create_graph, retain_graph=retain_graph)
         with functx_code():
+            if only_for_tangents:
+                grads = [without_own_graph(g) for g in grads]
             return pytree.tree_unflatten(diff_spec, [unwrap_level(g, level) for g in grads])
 
     # Which outputs do not depend on the differentiated inputs (jvp's strict mode asks).

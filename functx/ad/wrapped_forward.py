@@ -51,7 +51,7 @@ import torch
 import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from ..core.dual_values import one_level_down_over_dual_values
+from ..core.dual_values import one_level_down_over_dual_values, user_forward_ad
 from ..core.interpreter import current_stack
 from ..core.level_tensor import (
     LevelTensor,
@@ -205,6 +205,21 @@ def _as_outside():
     return _no_context
 
 
+class _RestoredForwardOff:
+    """The outside dispatch state with torch's forward AD off (`_one_level_down`)."""
+
+    __slots__ = ("_guards",)
+
+    def __enter__(self):
+        self._guards = (_restore_autograd(), _set_fwd_grad_enabled(False))
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
+
+
 class _InsideOut:
     __slots__ = ("_guards",)
 
@@ -298,7 +313,7 @@ def _matmul_rule(level, args, kwargs):
     mm and an in-place squeeze, three dispatches at this level (~45 µs) for one product."""
     if kwargs or len(args) != 2:
         return NotImplemented
-    operands = _plain_operands(level, args)
+    operands = _plain_operands(level, args) if user_forward_ad() else None
     if operands is None:
         return NotImplemented
     (a, b), (a_t, b_t) = operands
@@ -317,7 +332,7 @@ def _linear_rule(level, args, kwargs):
         x, w, bias = _linear_arguments(*args, **kwargs)
     except TypeError:
         return NotImplemented
-    operands = _plain_operands(level, (x, w) if bias is None else (x, w, bias))
+    operands = _plain_operands(level, (x, w) if bias is None else (x, w, bias)) if user_forward_ad() else None
     if operands is None or all(t is None for t in operands[1]):
         return NotImplemented
     values, tangents = operands
@@ -417,13 +432,17 @@ def _op_kind(op):
 class WrappedJvpLevel(WrappedLevel):
     """One `jvp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ("nested", "over_plain_grads")
+    __slots__ = ("nested", "over_plain_grads", "prev_fwd_grad_mode")
     torch_function_rules = _TORCH_FUNCTION_RULES
     forward_mode = True
 
     def __init__(self):
         super().__init__()
         load_forward_decompositions()
+        # forward AD as the user's code had it where the jvp was called: off, everything this
+        # level computes is invisible to the forward levels below (as `prev_grad_mode` for
+        # an outer `no_grad()`, torch.func's rule for both)
+        self.prev_fwd_grad_mode = user_forward_ad()
         stack = current_stack()
         # another AD level below differentiates what this one computes: carriers for every op
         # (see the module docstring), and _DECOMPOSED_WHEN_NESTED
@@ -441,13 +460,18 @@ class WrappedJvpLevel(WrappedLevel):
         )
 
     def _one_level_down(self):
-        """The dispatch state for running an op one level down: outside's (autograd on). Over
-        a jvp on values also forward AD on: torch switches it off inside an autograd.Function's
-        `jvp` (which this level runs on its carriers), and the tangents of the level below
-        must flow through what that computes."""
+        """The dispatch state for running an op one level down: outside's (autograd on), and
+        forward AD as the user's code has it for the op (`user_forward_ad`: their
+        `_set_fwd_grad_enabled(False)` holds at every forward level; torch's own switching
+        inside an autograd.Function's `jvp`, which this level runs on its carriers, does not:
+        the tangents of the levels below must flow through what that computes), off if
+        this jvp was called with it off (`prev_fwd_grad_mode`)."""
+        state = self.prev_fwd_grad_mode and user_forward_ad()
         if self.over_dual_values:
-            return one_level_down_over_dual_values(force_on=True)
-        return _restore_autograd()
+            return one_level_down_over_dual_values(state)
+        if state or not torch._C._is_fwd_grad_enabled():
+            return _restore_autograd()  # forward AD as it is (forward levels below decide)
+        return _RestoredForwardOff()
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
@@ -501,6 +525,8 @@ class WrappedJvpLevel(WrappedLevel):
         kind = _op_kind_cache.get(op)
         if kind is None:
             kind = _op_kind(op)
+        if not user_forward_ad():
+            return self._without_tangents(op, args, kwargs, kind)
         if kind is _VIEW:
             out = self._view(op, args, kwargs)
             if out is not _GENERAL:
@@ -559,6 +585,37 @@ class WrappedJvpLevel(WrappedLevel):
             with self._one_level_down():
                 out, out_tangent = op_jvp_without_formula(op, primals, tangents, {}, error)
             return self._wrap_pairs(out, out_tangent)
+
+    def _without_tangents(self, op, args, kwargs, kind):
+        """The op under the user's `_set_fwd_grad_enabled(False)`: its results get no tangent
+        here, and one level down forward AD stays off, so no forward level below gives them
+        one either (torch.func's rule: the mode holds while an op goes down through its
+        levels). An in-place (or `out=`) op leaves its target's tangent as it was, as torch
+        does."""
+        mutated, inplace_view, writes_out = kind[0], kind[1], kind[2]
+        if inplace_view:
+            return self._inplace_view(op, args, kwargs)
+        own_target = mutated is not None and type(args[mutated]) is DualTensor and args[mutated]._interp is self
+        if own_target:
+            promote_for_write(args[mutated], args)
+        values = [self._unwrap(a) for a in args]
+        kw_values = {k: self._unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        with self._one_level_down():
+            out = op(*values, **kw_values)
+        if own_target:
+            return args[mutated]
+        target = kwargs.get("out") if writes_out else None
+        if type(target) is DualTensor and target._interp is self:
+            return target
+        return self.wrap_outputs(out, False)
+
+    def _unwrap(self, a):
+        """This level's primals in an op argument (lists opened), anything else as it is."""
+        if type(a) is DualTensor and a._interp is self:
+            return a._value
+        if type(a) is list or type(a) is tuple:
+            return type(a)(self._unwrap(e) for e in a)
+        return a
 
     def _view(self, op, args, kwargs):
         """A view op on one tensor of this level (`unsqueeze`, `select`, `transpose`...): views

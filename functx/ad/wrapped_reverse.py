@@ -43,11 +43,15 @@ _no_context = contextlib.nullcontext()
 def _lands_in_vmap(values) -> bool:
     """Whether an op on `values` goes to a vmap level's rule and to nothing that records
     autograd on its own wrappers: some value is a BatchedTensor, none requires grad at its
-    wrapper level, and no other level's tensor is among them."""
+    wrapper level, its vmap level has no direct AD level on values above it (`ad_above`:
+    its rules run below autograd, and torch's autograd and forward AD record that level on
+    the BatchedTensors themselves; skipping the restore lost a jvp on values' tangent:
+    `vmap(jvp(lambda b: grad(f)(x, b)))` with a batched `x`), and no other level's tensor
+    is among them."""
     batched = False
     for v in values:
         if isinstance(v, LevelTensor):
-            if type(v._interp) is not VmapInterpreter or wrapper_requires_grad(v):
+            if type(v._interp) is not VmapInterpreter or v._interp.ad_above or wrapper_requires_grad(v):
                 return False
             batched = True
         elif type(v) is list or type(v) is tuple:

@@ -39,6 +39,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import interpreter as _interpreter  # (imports this module first: use at call time)
+from .dual_values import applying_function
 from .level_tensor import LevelTensor, unwrap_dead
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object
@@ -51,12 +52,19 @@ def apply_original(function, *args, **kwargs):
 
 
 _LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs)
+_REPLACED: dict = {}  # Function class -> what runs instead of its apply under a transform
 _VALUE_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs) or None
 
 
 def register_level_rule(level_class, rule) -> None:
     """How levels of `level_class` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
     _LEVEL_RULES[level_class] = rule
+
+
+def replace_under_transforms(function, replacement) -> None:
+    """Under any functx transform, `function.apply(*args, **kwargs)` calls
+    `replacement(*args, **kwargs)` instead (torch's reentrant checkpoint: ad/checkpointing.py)."""
+    _REPLACED[function] = replacement
 
 
 def register_value_rule(level_class, rule) -> None:
@@ -127,6 +135,9 @@ def is_new_style(function) -> bool:
 def _apply(cls, *args, **kwargs):
     if not _interpreter._stack.interpreters:  # no transform running on this thread
         return _original_apply_function(cls, *args, **kwargs)
+    replacement = _REPLACED.get(cls)
+    if replacement is not None:
+        return replacement(*args, **kwargs)
     if is_new_style(cls):  # torch binds keywords and defaults to forward's positions too
         signature = cached_on_class(cls, "signature", _forward_signature)
         bound = signature.bind(*args, **kwargs)
@@ -153,7 +164,8 @@ def _apply(cls, *args, **kwargs):
     rule = _LEVEL_RULES.get(type(top))
     if rule is None:
         raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")
-    return rule(top, cls, args, kwargs)
+    with applying_function():  # torch's forward AD off in its forward and jvp is not the user's
+        return rule(top, cls, args, kwargs)
 
 
 def _forward_signature(function):

@@ -105,6 +105,31 @@ def in_level_rule() -> bool:
     return getattr(_outside, "in_rule", False)
 
 
+class applying_function:
+    """While a level applies a `torch.autograd.Function` (core/custom_function.py): torch runs
+    the Function's forward and jvp with forward AD off, meant for the level applying it
+    (whose rule handles its tangents); the forward levels below must still compute theirs
+    there (torch.func lowers a Function with each level's own forward AD mode)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _outside.functions = getattr(_outside, "functions", 0) + 1
+
+    def __exit__(self, *exc):
+        _outside.functions -= 1
+
+
+def user_forward_ad() -> bool:
+    """Whether forward AD is on for the op a forward level is given, as the user's code set
+    it. `_set_fwd_grad_enabled(False)` around an op stops its tangents at every forward level,
+    as in torch.func (its levels keep the mode while an op goes down through them; so does a
+    jvp on values, which is torch's forward AD itself), and as `torch.no_grad()` stops every
+    reverse level. What functx switches off itself (`at_wrappers`) is seen through
+    (`down_state`), and so is torch's switching inside an autograd.Function (above)."""
+    return getattr(_outside, "functions", 0) > 0 or down_state()
+
+
 def down_state() -> bool:
     """The forward AD state a level over a jvp on values computes with its values in: the
     state the op on its wrappers was called in (torch switches forward AD off inside an
@@ -128,17 +153,16 @@ class ForwardADAtValues(TorchFunctionMode):
 
 class one_level_down_over_dual_values:
     """The dispatch state a level over a jvp on values computes with its values in: the
-    outside's (autograd on), forward AD as `down_state` says (or on, `force_on`: a jvp
-    level whose carriers ran an autograd.Function's jvp, with forward AD off, must let the
-    tangents of the levels below flow through what it computes), and `ForwardADAtValues`."""
+    outside's (autograd on), forward AD as `down_state` says (or in the `state` a jvp level
+    decides for what it runs one level down, wrapped_forward.py), and `ForwardADAtValues`."""
 
-    __slots__ = ("_force_on", "_guards", "_ours")
+    __slots__ = ("_state", "_guards", "_ours")
 
-    def __init__(self, force_on: bool = False):
-        self._force_on = force_on
+    def __init__(self, state=None):
+        self._state = state
 
     def __enter__(self):
-        plain = True if self._force_on else down_state()
+        plain = down_state() if self._state is None else self._state
         self._ours = getattr(_outside, "ours", False)
         _outside.ours = False  # the state set here is the values' own
         self._guards = (_restore_autograd(), _set_fwd_grad_enabled(plain), ForwardADAtValues(plain))

@@ -16,10 +16,19 @@ class DeadLevelError(RuntimeError):
 
 
 def op_name(op) -> str:
-    """`aten::add.Tensor`-style name of an OpOverload (or the repr of anything else)."""
+    """`aten::add.Tensor`-style name of an OpOverload; `Tensor.copy_` / `torch.relu_` for a
+    torch function (what a TorchFunctionMode sees); the repr of anything else."""
     schema = getattr(op, "_schema", None)
     if schema is None:
-        return repr(op)
+        name = getattr(op, "__qualname__", None)
+        if not isinstance(name, str):
+            return repr(op)
+        if name.startswith("TensorBase."):  # methods are defined on torch._C.TensorBase
+            return "Tensor." + name[len("TensorBase."):]
+        if name.startswith("_VariableFunctionsClass."):  # torch.* functions written in C++
+            return "torch." + name[len("_VariableFunctionsClass."):]
+        module = getattr(op, "__module__", None)
+        return f"{module}.{name}" if isinstance(module, str) and "." not in name else name
     overload = schema.overload_name
     return f"{schema.name}.{overload}" if overload else schema.name
 

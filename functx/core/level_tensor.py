@@ -239,6 +239,8 @@ def _dispatch_with_dead_levels(op, args, kwargs):
         # (core/dual_values.py): a `vjp_fn` called with a cotangent of a live level over a jvp
         # on values runs its backward under `at_wrappers` (forward AD off for those wrappers),
         # and its dead formulas' values (the jvp's plain duals) would lose their tangents.
+        from .dual_values import call_at_values, down_state  # it imports this module
+
         out = call_at_values(op, values, kw_values, down_state())
     if dead is None:
         return out
@@ -301,6 +303,3 @@ def level_of(x) -> int:
 
 
 __all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "refresh_views", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
-
-
-from .dual_values import call_at_values, down_state  # noqa: E402 (dual_values imports LevelTensor)

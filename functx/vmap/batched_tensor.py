@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.dual_values import one_level_down_over_dual_values
+from ..core.dual_values import one_level_down_over_dual_values, user_forward_ad
 from ..core.errors import DeadLevelError
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write, refresh_views
@@ -130,8 +130,9 @@ class VmapInterpreter(Interpreter):
                 return handler(self, *args, **kwargs)
         if direct is not None and direct.forward_mode:
             # torch calls an autograd.Function's jvp with forward AD off; the physical
-            # tangents here are a direct jvp level's (an outer level's), which must flow on
-            with _restore_autograd(), _forward_ad_enabled(True):
+            # tangents here are a direct jvp level's (an outer level's), which must flow on;
+            # the user's `_set_fwd_grad_enabled(False)` holds (core/dual_values.py)
+            with _restore_autograd(), _forward_ad_enabled(user_forward_ad()):
                 return handler(self, *args, **kwargs)
         # Inside __torch_dispatch__ torch switches off autograd, view tracking and the
         # conj/neg keys; the rule runs with the state of outside restored, so the values one

@@ -115,3 +115,13 @@ def test_vjp_under_jacfwd_under_no_grad(op):
     with torch.no_grad():
         actual = functx.jacfwd(lambda a: functx.vjp(f, a, B)[1](U)[1])(A)
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_the_recorded_backward_does_not_leave_the_transform(stack):
+    """The graph recorded for the tangents is the level's own: with nothing outside
+    requiring grad, no result of the transform requires grad (it used to leave jvp(grad)'s
+    tangent with a grad_fn)."""
+    primals, tangents = _inputs()
+    for result in STACKS[stack](OPS["solve"], primals, tangents):
+        assert not result.requires_grad and result.grad_fn is None

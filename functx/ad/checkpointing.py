@@ -1,0 +1,65 @@
+"""`torch.utils.checkpoint.checkpoint` inside functx transforms.
+
+Checkpointing trades memory for time: the derivatives must be those of `f(*args)`.
+
+- The reentrant form (`use_reentrant=True`, torch's `CheckpointFunction`) runs `f` under
+  no_grad and, in its backward, runs `f` again and calls `torch.autograd.backward` on it,
+  which fills the leaves' `.grad`. No functx level can use that: a direct level (the
+  outermost `grad`, `vmap(grad)`) takes its gradient with `torch.autograd.grad`, where torch
+  refuses the reentrant form, and when no positional input requires grad (parameters passed
+  in a dict through `functional_call`) the gradient through `f` was silently zero; torch.func
+  refuses the Function. Under a transform it runs as the non-reentrant form
+  (`core/custom_function.replace_under_transforms`).
+- The non-reentrant form keeps `f`'s saved tensors out of memory with saved-tensor hooks and
+  recomputes them in the backward, where its hook `detach()`es each recomputed tensor:
+  plain torch restores the graph from the saved variable, but at a wrapped grad level that
+  detach is a user's stop-gradient of the wrapper (level.py), which cuts the levels below:
+  `hessian`, `jacrev(jacrev(f))`, `jacfwd(jacrev(f))` through it came out wrong. Where every
+  level on the stack records on the values (direct AD levels and vmap levels: torch's own
+  autograd nests there) it runs as torch's; under a wrapped level `f` runs unchecked (right,
+  without the memory saving).
+
+    >>> import torch, functx
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> f = lambda x: checkpoint(torch.sin, x, use_reentrant=True).sum()
+    >>> functx.grad(f)(torch.tensor([0.0]))
+    tensor([1.])
+"""
+
+from __future__ import annotations
+
+import torch.utils.checkpoint as _checkpoint
+
+from ..core.custom_function import replace_under_transforms
+from ..core.interpreter import current_stack
+from ..vmap.batched_tensor import VmapInterpreter
+from .direct_forward import DirectJvpLevel
+from .direct_reverse import DirectGradLevel
+
+_RECORD_ON_VALUES = (DirectGradLevel, DirectJvpLevel, VmapInterpreter)
+
+
+def _levels_record_on_values() -> bool:
+    return all(type(level) in _RECORD_ON_VALUES for level in current_stack())
+
+
+def reentrant_checkpoint(run_function, preserve_rng_state, *args):
+    """What `CheckpointFunction.apply(run_function, preserve_rng_state, *args)` (the
+    reentrant form) runs under a transform: torch's non-reentrant checkpoint."""
+    return _checkpoint.checkpoint(run_function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+_torch_generator = _checkpoint._checkpoint_without_reentrant_generator
+
+
+def _without_reentrant_generator(*args, **kwargs):
+    """torch's non-reentrant checkpoint around the forward (`checkpoint` runs `f` between
+    its two steps), or nothing (`f` unchecked) under a wrapped level (module docstring)."""
+    if _levels_record_on_values():
+        yield from _torch_generator(*args, **kwargs)
+    else:
+        yield
+
+
+replace_under_transforms(_checkpoint.CheckpointFunction, reentrant_checkpoint)
+_checkpoint._checkpoint_without_reentrant_generator = _without_reentrant_generator
