@@ -148,7 +148,17 @@ class VmapInterpreter(Interpreter):
         """A BatchedTensor used after its vmap returned (it escaped: stored in a list, an
         attribute, a closure). Its value still carries the batch dim while its shape says
         one sample: any result would disagree with its own metadata (`.shape` (3,) but
-        `.sum()` over the batch) or lose derivatives. Refuse, as torch.func does."""
+        `.sum()` over the batch) or lose derivatives. Refuse, as torch.func does, unless
+        every element is the same by construction: the batch dim is an expand (stride 0),
+        as for an unbatched input a direct grad level batched for its per-element gradients
+        (`vmap(grad(f), in_dims=(None, 0))`, f storing `p[0:2]`), which torch.func never
+        batched; then it stands for that one value, as the escaped tensor does there (its
+        derivative is the same per element: the expand's). Equal values alone are not
+        enough (each element may have its own derivative), so a value computed from such
+        an input (`p * 3`, materialized) still raises."""
+        value = x._value
+        if value.dim() and value.shape[0] and value.stride(0) == 0 and not isinstance(value, LevelTensor):
+            return value[0]
         raise DeadLevelError(
             f"vmap: a tensor of shape {tuple(x.shape)} created inside a functx.vmap was used after "
             f"that vmap returned (it escaped the vmapped function, e.g. stored in a list, an "

@@ -82,6 +82,34 @@ def test_escaped_batched_tensor_is_refused_with_a_clear_error():
     assert current_stack() == ()
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("store", ["slice", "whole", "transposed view"])
+def test_an_escaped_unbatched_input_of_vmap_grad_stands_for_its_value(store, requires_grad):
+    """Issue 27 (dattri): inside `vmap(grad(f), in_dims=(None, 0))` the unbatched parameter
+    is batched by the grad level (an expand, for per-element gradients), which torch.func
+    never does; a slice of it stored in a dict and read after the call raised
+    DeadLevelError in functx and is the plain value in torch.func. Every element of such a
+    view is the same memory, so it now stands for that value (a value computed from it,
+    `p * 3`, still raises: its elements are copies that may differ in derivative)."""
+    stored = {}
+    make = {"slice": lambda p: p[0:2], "whole": lambda p: p, "transposed view": lambda p: p.view(2, 2).t()}[store]
+
+    def f(p, x):
+        stored["w"] = make(p)
+        return (p * x).sum()
+
+    p = torch.randn(4, requires_grad=requires_grad)
+    xs = torch.randn(3, 4)
+    grads = vmap(functx.grad(f), in_dims=(None, 0))(p, xs)
+    if requires_grad:  # connected to the caller's graph: the gradient of each sample is x_i
+        grads = grads.detach()
+    torch.testing.assert_close(grads, xs)
+    expected = make(p.detach())
+    torch.testing.assert_close(stored["w"] * 2, expected * 2)
+    assert stored["w"].shape == expected.shape
+    assert current_stack() == ()
+
+
 def test_tensor_escaping_an_inner_vmap_into_an_enclosing_grad_is_refused():
     """Escaping into an enclosing grad lost its derivative (torch.func: an internal assert)."""
     leaked = []
