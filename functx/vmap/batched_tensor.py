@@ -53,13 +53,16 @@ class BatchedTensor(LevelTensor):
     @property
     def requires_grad(self):
         """Whether autograd tracks this tensor: the wrapper itself (user code called
-        `requires_grad_()` inside vmap), or, while a direct grad level runs on this level's
-        physical tensors (ad/direct_reverse.py), the physical value: inside
-        `vmap(grad(f))` the inputs report True, as torch.func's do."""
+        `requires_grad_()` inside vmap), or its physical value: inside `vmap(grad(f))` (a
+        direct grad level records on the physical tensors, ad/direct_reverse.py) the inputs
+        report True, as torch.func's do, and so does a slice of an input that requires grad
+        from outside (what one sample's tensor would report, and `torch.autograd.grad` works
+        there: vmap/autograd_calls.py; torch.func reports False, pytorch#158610). Not under
+        a direct jvp level, whose physical tensors carry tangents, not a graph."""
         if wrapper_requires_grad(self):
             return True
         direct = self._interp.direct_ad
-        return direct is not None and not direct.forward_mode and self._value.requires_grad
+        return (direct is None or not direct.forward_mode) and self._value.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, flag):

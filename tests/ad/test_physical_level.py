@@ -240,8 +240,17 @@ def test_inputs_report_requires_grad_like_torch_func():
 
     functx.vmap(functx.grad(f, argnums=(0, 1)), in_dims=(0, None))(torch.randn(3, 2), torch.randn(2))
     assert seen == {"x": True, "w": True, "y": True, "const": False}
-    functx.vmap(lambda x: seen.update(plain=x.requires_grad) or x)(torch.randn(3, 2, requires_grad=True))
-    assert seen["plain"] is False  # plain vmap: as torch.func
+    # plain vmap of an input that requires grad: what one sample's tensor would report, and
+    # torch.autograd.grad works there (issue 27; torch.func reports False, pytorch#158610)
+    functx.vmap(lambda x: seen.update(plain=x.requires_grad, y=(x * 2).requires_grad) or x)(
+        torch.randn(3, 2, requires_grad=True)
+    )
+    assert seen["plain"] is True and seen["y"] is True
+    functx.vmap(lambda x: seen.update(plain=x.requires_grad) or x)(torch.randn(3, 2))
+    assert seen["plain"] is False
+    # under a jvp right inside vmap the physical tensors carry tangents, not a graph
+    functx.vmap(lambda x: functx.jvp(lambda y: seen.update(fwd=y.requires_grad) or y, (x,), (x,)))(torch.randn(3, 2))
+    assert seen["fwd"] is False
 
 
 def test_torch_autograd_grad_inside_matches_torch_func():
