@@ -1,23 +1,37 @@
 """functx's AD transforms on every op torch differentiates, driven by torch's op database.
 
-For each OpInfo of `op_db` with `supports_autograd` and float32 CPU samples, on its first
-3 float64 samples (see tests/ad/opdb_ad_support.py for how a sample becomes a function):
+For each OpInfo of `op_db` with `supports_autograd` and float32 CPU samples, and each of
+torch's 14 `autograd_function_db` OpInfos (torch.autograd.Function subclasses), on its
+first 3 float64 samples (see tests/ad/opdb_ad_support.py for how a sample becomes a
+function and for each check's reference):
   vjp       functx.vjp vs torch.autograd.grad;
   jvp       functx.jvp vs torch.autograd.forward_ad; where the OpInfo has no forward AD,
             vs torch's double backward, else finite differences in float64;
   vmap_vjp  functx.vmap(vjp_fn) over 3 cotangents vs a loop of vjp_fn (the aten ops that
             needed vmap's per-sample fallback are recorded as the `vmap_fallback` property);
   vjp_vjp   vjp of the vjp (second order, w.r.t. primals and cotangents) vs torch's double
-            backward, where the OpInfo has `supports_gradgrad`.
+            backward, where the OpInfo has `supports_gradgrad`;
+and the compositions of torch's test/functorch/test_ops.py, over 3 distinct samples where
+they vmap, each vs a loop of references that do not use functx:
+  jvp_vjp       forward over reverse vs torch's forward AD over its backward (else its
+                double backward);
+  vjp_vmap      vjp of vmap(f) vs a loop of torch.autograd.grad;
+  vmap_jvp      vmap of jvp, primals and tangents batched / primals unbatched, vs a loop
+                of the jvp check's reference;
+  vmap_vjp_vjp  vmap of the vjp of the vjp vs a loop of torch's double backward;
+  vmap_jvp_vjp  vmap of the jvp of the vjp vs a loop of jvp_vjp's reference;
+  vjp_inplace, jvp_inplace  vjp / jvp of the OpInfo's in-place variant, written into a
+                view of a clone of the input, vs the out-of-place op's references.
 Test ids read `<op>[.<variant>]-<check>`, e.g. `test_ad_matches_reference[div.floor_rounding-jvp]`.
 
 Known failures are listed below per op and check with their cause (strict xfails: a fix
 makes the test fail until its entry is removed).
 
 Commands:
-  default (CI) run, a stable-hash quarter of the ops (`in_default_subset`):
+  default (CI) run (`in_default_subset`): every autograd_function_db entry; the first four
+  checks on a stable-hash quarter of op_db's ops, the others on an eighth (within it):
       .venv/bin/python -m pytest tests/ad/test_op_db_ad.py -n 2 -q
-  the other three quarters (the `slow` marker; about 6 minutes with -n 2):
+  the rest of op_db (the `slow` marker):
       .venv/bin/python -m pytest tests/ad/test_op_db_ad.py -m slow -n 2 -q
   full sweep (every op), with the per-test properties (`reference`, `vmap_fallback`)
   in a JUnit XML file:
@@ -28,6 +42,9 @@ Commands:
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 
@@ -50,6 +67,113 @@ TORCH_DROPS_TANGENT = (
 )
 REFERENCE_RAISES = "torch's own double backward raises (the OpInfo claims supports_gradgrad): no reference"
 
+# causes of the failures of NEW_CHECKS (the test_ops.py compositions)
+GENERATED_VMAP_RULE_UNREDUCED_GRAD = (
+    "WRONG VALUE or error: a generate_vmap_rule Function whose backward returns a gradient "
+    "that is not reduced to its input's shape (MulGenVmap with a broadcast input; "
+    "ZeroGradientsGenVmap's expanded zeros) under vjp(vmap(f)): functx hands the batched "
+    "gradient to torch's engine, whose sum_to aligns physical shapes, so it sums over the "
+    "wrong dims (batch size == broadcast size) or raises 'invalid gradient' (torch.func "
+    "reduces per sample and is right)"
+)
+NUMPY_FUNCTION_VMAP_JVP_VJP = (
+    "WRONG VALUE: vmap over the jvp of the vjp of NumpyCube (a NumPy forward with a vmap "
+    "staticmethod, whose backward calls NumpyMul) gives values that match neither the loop "
+    "of torch's forward-over-backward nor torch.func"
+)
+CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL = (
+    "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
+    "tangents of an autograd.Function whose forward returns a view (x[idx]): torch raises "
+    "'forward is returning a view but the jvp is not returning a view' inside functx's "
+    "forward-mode call (torch.func passes)"
+)
+VIEW_JVP_UNBATCHED_PRIMAL = (
+    "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
+    "tangents of an op whose result is a view of an intermediate (fft.hfft*, fft.ihfft*): "
+    "torch's INTERNAL ASSERT 'the output of forward differentiable view operations [must] "
+    "have the tangent have the same layout as primal' inside functx's forward-mode call "
+    "(torch.func passes)"
+)
+LINEAR_CROSS_ENTROPY_VJP_OF_VMAP = (
+    "WRONG VALUE: vjp of vmap(linear_cross_entropy, chunked): the gradient w.r.t. the input "
+    "is all zeros and the one w.r.t. the weight is wrong (vs a loop of torch.autograd.grad; "
+    "the op's backward is a legacy autograd.Function without setup_context, which torch.func "
+    "refuses altogether)"
+)
+SCATTER_REDUCE_PROD_FORWARD = (
+    "torch's forward AD of scatter_reduce(reduce='prod') drops or refuses tangents: the jvp "
+    "of the vjp is wrong in functx and torch.func alike (torch's double backward agrees with "
+    "finite differences), and the in-place variant's jvp raises 'Expected a proper Tensor "
+    "but got None' in both"
+)
+VMAP_VJP_VJP_EXPAND = (
+    "functx error on a valid program: vmap of the vjp of the vjp of mse_loss / smooth_l1_loss (scalar output "
+    "with a batched cotangent) raises 'expand([3, 1, 5], size=[3, 5])' (torch.func passes)"
+)
+EMBEDDING_BAG_VJP_OF_VMAP = (
+    "functx error on a valid program: vjp of vmap(embedding_bag) raises 'Autograd not support "
+    "dtype: Long' from vmap's per-sample fallback (an integer offsets/indices tensor is made "
+    "a differentiable level tensor); torch.func passes"
+)
+STORAGE_DEPENDENT = (
+    "as_strided with partial views reads storage outside its input's view, so its value is "
+    "not a function of the input's values: under vmap the storage around each sample is the "
+    "batch's; torch.func gives the same values as functx, the per-sample loop differs"
+)
+CUSTOM_JVP_NONE_TANGENT_UNDER_VMAP = (
+    "functx error on a valid program: under vmap, the jvp staticmethod of SortGenVmap returns "
+    "None for its integer outputs and functx's vmap then sees a None output "
+    "('inner must only return Tensors'); torch.func passes"
+)
+MARK_DIRTY_JVP_OF_VJP = (
+    "functx error on a valid program: jvp of the vjp of NumpyExp_ (mark_dirty, in place): "
+    "functx.grad refuses its backward's mul_ as a write into a captured tensor (torch.func passes)"
+)
+NOT_COMPOSABLE_JVP = (
+    "the autograd.Function has no jvp staticmethod: functx's forward-mode transforms refuse "
+    "it, as torch.func's do (by design)"
+)
+NOT_COMPOSABLE_VMAP = (
+    "the autograd.Function has neither a vmap staticmethod nor generate_vmap_rule: functx.vmap "
+    "refuses it, as torch.func.vmap does (by design)"
+)
+BATCH_NORM_UNBATCHED_RUNNING_STATS = (
+    "vmap over training-mode batch norm whose running stats (updated in place) are not "
+    "batched: functx refuses with a how-to-fix error; torch.func has no batching rule either"
+)
+DATA_DEPENDENT_CHECK = (
+    "the op (or its backward) reads its input's values in Python (gaussian_nll_loss: "
+    "`torch.any(var < 0)`; cov: torch.equal; scatter_reduce.prod's backward): functx.vmap "
+    "refuses the .item() on a batched tensor, as torch.func.vmap does"
+)
+RANDOMNESS_SAME_BATCHED = (
+    "vmap(randomness='same') over a random op with a batched tensor argument (normal's "
+    "mean/std, bernoulli's p): functx refuses, as torch.func does"
+)
+NO_TORCH_INPLACE_DERIVATIVE = (
+    "torch has no derivative for the in-place variant ('the derivative for inplace version "
+    "of asinh is not implemented'): functx.vjp/jvp raise it, as torch.func does; no reference"
+)
+TORCH_AS_STRIDED_SCATTER_0D = (
+    "reference wrong: torch's backward of as_strided_scatter with a 0-dim view (size=(), "
+    "stride=()) gives the input the cotangent, where finite differences give 0 (the element "
+    "is overwritten); functx.grad repeats torch's value, but under vmap the view is not "
+    "0-dim and functx's vjp(vmap(f)) gets the finite-difference value 0, so it differs from "
+    "the loop of torch.autograd.grad (torch.func.vmap has no batching rule)"
+)
+TO_SPARSE = (
+    "to_sparse returns a sparse tensor: functx's transforms wrap strided tensors only "
+    "(vmap(f) returns it as sparse inside a strided batch, the jvp of the vjp reaches "
+    "_sparse_mask_projection, which has no derivative); torch.func fails too"
+)
+CHUNKED_NONE_BACKWARD = (
+    "the op's backward (an autograd.Function) uses out= ops (div(out=)) and writes in place "
+    "(mul_) into a buffer it allocates: functx's second-order and vmapped forward-mode "
+    "transforms refuse it (torch.func refuses the op altogether)"
+)
+
+VMAP_CHECKS = ("vjp_vmap", "vmap_jvp", "vmap_vjp_vjp", "vmap_jvp_vjp")  # the new checks that vmap f
+
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("sparse.sampled_addmm", check): SPARSE for check in support.CHECKS},
     **{("sparse.mm.reduce", check): SPARSE for check in ("vjp", "jvp", "vmap_vjp")},
@@ -66,7 +190,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{
         (op, "jvp"): TORCH_DROPS_TANGENT
         for op in (
-            "nn.functional.linear_cross_entropy.chunked",  # an autograd.Function without jvp
             "nn.functional.linear_cross_entropy.chunked_none",
             "scatter_reduce.prod",
             "native_layer_norm",  # no tangent for the mean and rstd outputs
@@ -78,6 +201,62 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("nn.functional.linear_cross_entropy.chunked_none", "vjp_vjp"): REFERENCE_RAISES + " (out= ops)",
     ("native_layer_norm", "vjp_vjp"): REFERENCE_RAISES + " (weight=None: undefined tensor)",
     ("nn.functional.ctc_loss", "vjp_vjp"): REFERENCE_RAISES + " (_ctc_loss_backward has no derivative)",
+    # NEW_CHECKS
+    ("MulGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
+    ("ZeroGradientsGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
+    ("NumpyCubeAutogradFunction", "vmap_jvp_vjp"): NUMPY_FUNCTION_VMAP_JVP_VJP,
+    **{
+        (op, "vmap_jvp"): CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL
+        for op in ("SelectAutogradFunction", "SelectGenVmapAutogradFunction", "ForwardHasDefaultArgsAutogradFunction")
+    },
+    **{("SortGenVmapAutogradFunction", check): CUSTOM_JVP_NONE_TANGENT_UNDER_VMAP for check in ("vmap_jvp", "vmap_jvp_vjp")},
+    ("NumpyExpMarkDirtyAutogradFunction", "jvp_vjp"): MARK_DIRTY_JVP_OF_VJP,
+    **{("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_JVP for check in ("jvp", "jvp_vjp")},
+    **{
+        ("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_VMAP
+        for check in ("vjp_vmap", "vmap_jvp", "vmap_vjp_vjp", "vmap_jvp_vjp")
+    },
+    **{
+        (op, check): BATCH_NORM_UNBATCHED_RUNNING_STATS
+        for op in ("_batch_norm_with_update", "_native_batch_norm_legit", "nn.functional.batch_norm")
+        for check in VMAP_CHECKS
+    },
+    **{
+        (op, check): DATA_DEPENDENT_CHECK
+        for op in ("nn.functional.gaussian_nll_loss", "cov")
+        for check in VMAP_CHECKS
+    },
+    **{(op, check): RANDOMNESS_SAME_BATCHED for op in ("normal", "bernoulli") for check in VMAP_CHECKS},
+    **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
+    **{(op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn")},
+    ("nn.functional.linear_cross_entropy.chunked", "vjp_vmap"): LINEAR_CROSS_ENTROPY_VJP_OF_VMAP,
+    ("nn.functional.embedding_bag", "vjp_vmap"): EMBEDDING_BAG_VJP_OF_VMAP,
+    **{(op, "vmap_vjp_vjp"): VMAP_VJP_VJP_EXPAND for op in ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss")},
+    **{("asinh", check): NO_TORCH_INPLACE_DERIVATIVE for check in ("vjp_inplace", "jvp_inplace")},
+    ("as_strided_scatter", "vjp_vmap"): TORCH_AS_STRIDED_SCATTER_0D,
+    **{("scatter_reduce.prod", check): SCATTER_REDUCE_PROD_FORWARD for check in ("jvp_vjp", "jvp_inplace")},
+    **{("scatter_reduce.prod", check): DATA_DEPENDENT_CHECK for check in ("vmap_vjp_vjp", "vmap_jvp_vjp")},
+    **{(op, "vmap_jvp"): TORCH_DROPS_TANGENT for op in ("scatter_reduce.prod", "native_layer_norm")},
+    ("native_layer_norm", "vmap_vjp_vjp"): REFERENCE_RAISES + " (weight=None: undefined tensor)",
+    **{
+        ("nn.functional.ctc_loss", check): REFERENCE_RAISES + " (_ctc_loss_backward has no derivative)"
+        for check in ("jvp_vjp", "vmap_vjp_vjp", "vmap_jvp_vjp")
+    },
+    **{("to_sparse", check): TO_SPARSE for check in ("jvp_vjp", "vjp_vmap", "vmap_jvp")},
+    **{("sparse.mm.reduce", check): SPARSE for check in support.NEW_CHECKS},
+    **{
+        (op, "vmap_jvp"): NO_TORCH_JVP
+        for op in (
+            "cdist", "nn.functional.multi_margin_loss", "nn.functional.multilabel_margin_loss",
+            "nn.functional.embedding_bag", "nn.functional.pdist", "_segment_reduce.lengths",
+            "_segment_reduce.offsets", "nn.functional.ctc_loss",
+        )
+    },
+    **{
+        ("nn.functional.linear_cross_entropy.chunked_none", check): CHUNKED_NONE_BACKWARD
+        for check in ("jvp_vjp", "vmap_jvp", "vmap_jvp_vjp")
+    },
+    ("nn.functional.linear_cross_entropy.chunked_none", "vmap_vjp_vjp"): REFERENCE_RAISES + " (out= ops)",
 }
 
 # (op id, check) -> why the result is not reproducible (non-strict xfail).
@@ -85,9 +264,10 @@ FLAKY: dict[tuple[str, str], str] = {}
 
 
 def _marks(identifier, check, op):
-    marks = [] if support.in_default_subset(identifier) else [pytest.mark.slow]
-    if not support.applies(op, check):
-        marks.append(pytest.mark.skip(reason="torch has no double backward for this op (OpInfo.supports_gradgrad=False)"))
+    marks = [] if support.in_default_subset(identifier, check) else [pytest.mark.slow]
+    not_applicable = support.applies(op, check)
+    if not_applicable:
+        marks.append(pytest.mark.skip(reason=not_applicable))
     elif (identifier, check) in KNOWN_FAILURES:
         reason = KNOWN_FAILURES[identifier, check]
         # where torch cannot compute the reference, only that may fail the test
@@ -123,3 +303,30 @@ def test_ad_matches_reference(op, check, record_property):
     record_property("samples", outcome.cases)
     if outcome.fallback_ops:
         record_property("vmap_fallback", ",".join(sorted(outcome.fallback_ops)))
+
+
+@pytest.mark.parametrize("identifier", ["mul", "linalg.det", "log_softmax"])
+def test_jvp_vjp_references_agree_with_finite_differences(identifier):
+    """jvp_vjp's two references (torch's forward AD over its backward, and the double-backward
+    identity with the Hessian of <f, u>) agree with central finite differences of torch's
+    vjp: a wrong reference would turn functx bugs into passes or correct code into xfails."""
+    op = support.find_op(identifier)
+    without_fwgrad_bwgrad = copy.copy(op)
+    without_fwgrad_bwgrad.supports_fwgrad_bwgrad = False
+    for case in support.cases(op):
+        primals = case.primals
+        u, tx, tu = support._jvp_vjp_inputs(case, primals, support.COTANGENT_SEED)
+        _, forward_over_reverse, name = support.reference_jvp_vjp(case, primals, u, tx, tu)
+        assert name == "torch forward AD over backward"
+        case_without = dataclasses.replace(case, op=without_fwgrad_bwgrad)
+        _, hessian_identity, name = support.reference_jvp_vjp(case_without, primals, u, tx, tu)
+        assert name.startswith("torch double backward")
+
+        def vjp_at(eps):
+            xs = support._leaves([p + eps * t for p, t in zip(primals, tx)])
+            return support._torch_grad(case.f(*xs), xs, [c + eps * t for c, t in zip(u, tu)])
+
+        ahead, behind = vjp_at(support.FD_EPS), vjp_at(-support.FD_EPS)
+        finite = [(a - b) / (2 * support.FD_EPS) for a, b in zip(ahead, behind)]
+        support._assert_close("forward over reverse", forward_over_reverse, finite, support.FD_TOLERANCE, case)
+        support._assert_close("Hessian identity", hessian_identity, finite, support.FD_TOLERANCE, case)
