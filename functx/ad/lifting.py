@@ -31,6 +31,7 @@ refuses those writes while the function runs.
 
 from __future__ import annotations
 
+import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -151,6 +152,17 @@ def _mark_made(out, number, args):
             base = o._base
             if base is not None and id(base) not in given and getattr(base, _MADE_AT, 0) < number:
                 setattr(base, _MADE_AT, number)
+
+
+def arguments_are_the_functions_own(level, args) -> None:
+    """The transformed function's tensor arguments count as made inside it for the
+    captured-write check (`CapturedWrites`): a write of a differentiated value into a
+    non-differentiated argument (`y.copy_(x)` with argnums=0) is a valid program, which
+    torch.func computes (it wraps every tensor argument at the level); at a direct level it
+    is recorded as plain torch records it."""
+    for x in optree.tree_leaves(args):
+        if isinstance(x, torch.Tensor) and getattr(x, _MADE_AT, 0) < level.level:
+            setattr(x, _MADE_AT, level.level)
 
 
 class CapturedWrites(TorchFunctionMode):

@@ -22,6 +22,7 @@ from .arguments import (
 from .choose import choose_level
 from .direct_reverse import is_differentiated, without_own_graph
 from .level import recording, unwrap_level
+from .lifting import arguments_are_the_functions_own
 
 
 def _split_aux(output, has_aux: bool, api: str):
@@ -47,6 +48,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
+            arguments_are_the_functions_own(level, args)
             diff = pytree.tree_unflatten(diff_spec, flat_diff)
             call_args = diff if argnums is None else replace_argnums(args, argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
@@ -148,6 +150,7 @@ def _grad_and_value_call(func, argnums, has_aux, args, kwargs):
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
+            arguments_are_the_functions_own(level, args)
             diff = pytree.tree_unflatten(diff_spec, flat_diff)
         output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
         with functx_code():
@@ -161,11 +164,28 @@ def _grad_and_value_call(func, argnums, has_aux, args, kwargs):
             level.seal([output], flat_diff)
         grads = level.gradient(output, flat_diff)  # the backward may run user code
         with functx_code():
+            _drop_recorded_writes(level, args, checked)
             gradient = pytree.tree_unflatten(diff_spec, level.export(list(grads)))
             value = level.export(output)
             if has_aux:
                 return gradient, (value, export(level, aux))
             return gradient, value
+
+
+def _drop_recorded_writes(level, args, argnums) -> None:
+    """After the gradient: a non-differentiated plain argument the function wrote a
+    differentiated value into (`buf.copy_(x)`) keeps the written value, as under torch.func,
+    but not the direct level's history (torch.func's stays on its wrapper), unless the
+    caller's graph reaches it."""
+    if not getattr(level, "vmap_levels", None) == () or level.reaches_outside:
+        return
+    differentiated = {argnums} if isinstance(argnums, int) else set(argnums)
+    for i, a in enumerate(args):
+        if i in differentiated:
+            continue
+        for x in pytree.tree_leaves(a):
+            if type(x) is torch.Tensor and x.grad_fn is not None and x._base is None:
+                x.detach_()
 
 
 def grad(func, argnums=0, has_aux=False):

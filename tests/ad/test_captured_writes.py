@@ -199,11 +199,12 @@ def test_a_tensor_made_by_an_outer_transform_is_captured_for_an_inner_one():
     assert current_stack() == ()
 
 
-def test_an_input_that_is_not_differentiated_is_captured():
-    """`grad(f)(x, buf)` differentiates x only: `buf` is the caller's tensor, and the direct
-    level recorded x's history on it. Refused, as functx's wrapped levels refuse it
-    (torch.func runs it: its levels wrap every input, and the history stays on the
-    wrapper; functx's levels leave undifferentiated inputs as they are)."""
+def test_an_input_that_is_not_differentiated_is_the_functions_own():
+    """`grad(f)(x, buf)` differentiates x only: `buf` is an argument of the function, not a
+    captured tensor, and torch.func computes it (issue 27: functx refused it). The value is
+    right, `buf` holds the written value afterwards and, under grad, none of the level's
+    history (torch.func keeps that on its wrapper). Under hessian (wrapped levels) it is
+    still refused: a named gap."""
     buf = torch.zeros(3, dtype=D)
 
     def f(x, buf):
@@ -211,11 +212,10 @@ def test_an_input_that_is_not_differentiated_is_captured():
         return (buf * x).sum()
 
     x = torch.randn(3, dtype=D)
-    with pytest.raises(RuntimeError, match="captured Tensor"):
-        functx.grad(f)(x, buf)
-    with pytest.raises(RuntimeError, match="captured Tensor"):
-        functx.hessian(f)(x, buf)  # (a wrapped level: as before)
-    assert torch.equal(buf, torch.zeros(3, dtype=D)) and buf.grad_fn is None
+    torch.testing.assert_close(functx.grad(f)(x, buf), 2 * x)
+    assert torch.equal(buf, x) and buf.grad_fn is None and not buf.requires_grad
+    with pytest.raises(RuntimeError, match="captured"):
+        functx.hessian(f)(x, torch.zeros(3, dtype=D))
     assert current_stack() == ()
 
 
@@ -358,4 +358,33 @@ def test_the_check_leaves_after_the_function_and_after_an_exception():
     functx.grad(lambda x: x.sum())(torch.randn(3, dtype=D))
     functx.jvp(lambda x: x.sin(), (torch.randn(3, dtype=D),), (torch.randn(3, dtype=D),))
     assert len(_get_current_function_mode_stack()) == modes
+    assert current_stack() == ()
+
+
+def _write_into_argument(x, y):
+    y.copy_(x * 2)
+    return (y * y).sum()
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap(grad)"])
+def test_writing_into_a_non_differentiated_argument_is_a_valid_program(transform):
+    """Issue 27: the transformed function's own arguments are not captured tensors:
+    `y.copy_(x * 2)` with argnums=0 runs in torch.func (it wraps every tensor argument at
+    the level); against plain autograd (d/dx of sum((2x)^2) = 8x), and the argument holds
+    the written value afterwards, as plain torch and torch.func leave it."""
+    x = torch.randn(3, dtype=torch.float64)
+    y = torch.zeros(3, dtype=torch.float64)
+    if transform == "grad":
+        result = functx.grad(_write_into_argument)(x, y)
+    elif transform == "jacrev":
+        result = functx.jacrev(_write_into_argument)(x, y)
+    else:
+        xs, ys = torch.randn(4, 3, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)
+        result = functx.vmap(functx.grad(_write_into_argument))(xs, ys)
+        torch.testing.assert_close(result, 8 * xs)
+        torch.testing.assert_close(ys, 2 * xs)
+        assert current_stack() == ()
+        return
+    torch.testing.assert_close(result, 8 * x)
+    torch.testing.assert_close(y.detach(), 2 * x)
     assert current_stack() == ()
