@@ -85,21 +85,23 @@ def cg_inverse_hvps(T, problem, vectors):
     def hvp(v):
         return vjp_fn(v)[0] + REGULARIZATION * v
 
-    def cg(v):
-        x = torch.clone(v)
-        g_pre = v - hvp(x)
-        d = d_pre = g_pre
-        for _ in range(CG_STEPS):
-            ad = hvp(d)
-            alpha = torch.dot(g_pre, d_pre) / torch.dot(d, ad)
-            x = x + alpha * d
-            g = g_pre - alpha * ad
-            beta = torch.dot(g, g) / torch.dot(g_pre, g_pre)
-            g_pre = d_pre = g
-            d = g + beta * d
-        return x
+    return T.vmap(lambda v: conjugate_gradient(hvp, v))(vectors)
 
-    return T.vmap(cg)(vectors)
+
+def conjugate_gradient(hvp, v):
+    """dattri's `_cg`: CG_STEPS steps on H x = v from x = v (its start), no tolerance."""
+    x = torch.clone(v)
+    g_pre = v - hvp(x)
+    d = d_pre = g_pre
+    for _ in range(CG_STEPS):
+        ad = hvp(d)
+        alpha = torch.dot(g_pre, d_pre) / torch.dot(d, ad)
+        x = x + alpha * d
+        g = g_pre - alpha * ad
+        beta = torch.dot(g, g) / torch.dot(g_pre, g_pre)
+        g_pre = d_pre = g
+        d = g + beta * d
+    return x
 
 
 def routine(T, problem):
@@ -124,21 +126,7 @@ def plain_cg_inverse_hvps(problem, vectors):
     def hvp(v):
         return torch.autograd.grad(g, leaf, v, retain_graph=True)[0] + REGULARIZATION * v
 
-    out = []
-    for v in vectors:
-        x = v.clone()
-        g_pre = v - hvp(x)
-        d = d_pre = g_pre
-        for _ in range(CG_STEPS):
-            ad = hvp(d)
-            alpha = torch.dot(g_pre, d_pre) / torch.dot(d, ad)
-            x = x + alpha * d
-            gg = g_pre - alpha * ad
-            beta = torch.dot(gg, gg) / torch.dot(g_pre, g_pre)
-            g_pre = d_pre = gg
-            d = gg + beta * d
-        out.append(x)
-    return torch.stack(out)
+    return torch.stack([conjugate_gradient(hvp, v) for v in vectors])
 
 
 def workloads(problem):
