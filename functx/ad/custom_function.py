@@ -28,11 +28,14 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_ena
 
 from ..core.dual_values import level_rule
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
+from ..core.level_tensor import LevelTensor
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import is_differentiated
+from .lifting import applying_below
 from .wrapped_forward import WrappedJvpLevel, make_duals
 from .wrapped_reverse import WrappedGradLevel
 
+_unpack_dual = torch._VF._unpack_dual
 _pending = threading.local()  # the level whose single-level Function is being applied
 
 
@@ -51,7 +54,7 @@ def single_level_function(function):
         # torch runs a Function's forward with grad and forward grad off; one level down
         # they are what they were outside this level (lower levels record, and a lower
         # jvp level must see the Function to call its jvp).
-        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True):
+        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True), applying_below(level):
             outputs = function.apply(*values)  # one level down (maybe another transform)
         return _wrap_outputs(level, outputs, args, values)
 
@@ -109,13 +112,31 @@ def _apply_at_grad_level(level, function, args, kwargs):
 
 def _seen_below(level, function, args) -> bool:
     """Whether a level below this one differentiates an argument of an old-style Function.
-    Its forward runs under torch's no_grad, so applied here as torch applies it such a level
-    would not see its operations: second derivatives through it (grad of grad, hessian,
-    jacrev of jacrev, vmap of those) came out wrong (zero for a linear Function)."""
+    Its forward runs under torch's no_grad and with forward AD off, so applied here as torch
+    applies it such a level would not see its operations: second derivatives through it
+    (grad of grad, hessian, jacrev of jacrev, vmap of those) came out wrong (zero for a
+    linear Function), and so did a forward level's (`jvp(jacrev)`: the tangent of its result
+    was lost, where applied one level down the jvp level calls the Function's jvp or says
+    it has none)."""
     return any(
-        getattr(a, "_interp", None) is level and is_differentiated(a._value)
+        getattr(a, "_interp", None) is level and _differentiated_below(a._value)
         for a in optree.tree_leaves(args, none_is_leaf=True)
     )
+
+
+def _differentiated_below(x) -> bool:
+    """Whether a level that would not see the Function's forward differentiates `x` (a value
+    one level down): autograd tracks it (plain or a functx grad level), or it is a plain
+    tensor with a tangent of torch's forward AD (a jvp on the values), which torch's forward
+    AD, off in the forward, does not propagate. (A wrapped jvp level below sees the forward's
+    ops on its DualTensors whatever torch's mode: `user_forward_ad`; a vmap level's rules run
+    on its physical tensors in torch's mode, so the jvp on values under `jvp(vmap(grad))`
+    is looked for through it.)"""
+    if is_differentiated(x):
+        return True
+    while isinstance(x, LevelTensor) and not isinstance(x._interp, WrappedJvpLevel):
+        x = x._value
+    return type(x) is torch.Tensor and _unpack_dual(x, 0)[1] is not None
 
 
 def old_style_seen_below(function):
@@ -140,15 +161,21 @@ def old_style_seen_below(function):
         values = optree.tree_map(
             lambda a: a._value if getattr(a, "_interp", None) is level else a, args, none_is_leaf=True
         )
-        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True):
+        with torch.set_grad_enabled(level.prev_grad_mode), _forward_grad_enabled(True), applying_below(level):
             outputs = function.apply(*values)  # one level down
         return _wrap_outputs(level, outputs, args, values)
 
     def backward(ctx, *grads):
         return function.backward(ctx, *grads)
 
+    def jvp(ctx, *tangents):  # a wrapped jvp level applying it to its carriers: `jvp(jvp)`
+        if function.jvp is torch.autograd.Function.jvp:
+            raise RuntimeError(_no_jvp_message(name))
+        return function.jvp(ctx, *tangents)
+
     return type(f"{name}SeenBelow", (torch.autograd.Function,), {
-        "forward": staticmethod(forward), "backward": staticmethod(backward), "__qualname__": f"{name}SeenBelow",
+        "forward": staticmethod(forward), "backward": staticmethod(backward), "jvp": staticmethod(jvp),
+        "__qualname__": f"{name}SeenBelow",
     })  # fmt: skip
 
 
@@ -166,14 +193,17 @@ def _apply_at_jvp_level(level, function, args, kwargs):
     )
     primals, tangents = level.split(args)
     if all(t is None for t in tangents):
-        return level.wrap_outputs(function.apply(*primals, **kwargs), False)
+        with applying_below(level):
+            outputs = function.apply(*primals, **kwargs)
+        return level.wrap_outputs(outputs, False)
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
         raise RuntimeError(_no_jvp_message(function.__name__))
     plain = not level.over_dual_values and all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
     with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
         duals = make_duals(primals, tangents, None if plain else level, level.over_dual_values)
         if plain:  # torch's own apply on the duals calls its jvp
-            outputs = function.apply(*duals, **kwargs)
+            with applying_below(level):
+                outputs = function.apply(*duals, **kwargs)
         else:  # on this level's carriers: the single-level Function, whose jvp is the user's
             outputs = _apply_at_grad_level(level, function, duals, kwargs)
     for arg, dual in zip(args, duals):  # an input returned (marked dirty): itself

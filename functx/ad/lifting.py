@@ -51,6 +51,7 @@ class FactoryLifting(TorchFunctionMode):
     def __init__(self, level):
         super().__init__()
         self.level = level
+        self.below = 0  # inside `applying_below`: what is made there is not this level's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         rule = self.level.torch_function_rules.get(func)
@@ -68,9 +69,30 @@ class FactoryLifting(TorchFunctionMode):
             and (out.is_floating_point() or out.is_complex())
             and level_of(out) < self.level.level  # plain or from below (a level above made it its own)
             and self.level.alive
+            and not self.below
         ):
             return self.level.lift(out)
         return out
+
+
+class applying_below:
+    """While a wrapped level applies a `torch.autograd.Function` one level down
+    (ad/custom_function.py): the Function's forward runs on the tensors of the levels below
+    (finally plain ones), so the tensors it makes (`torch.as_tensor` of a NumPy result) are
+    theirs, not constants of this level. Lifted here, the Function's result was this level's
+    constant and lost the graph or tangent the levels below gave it: a NumPy-forward
+    Function under `hessian` or `grad(jvp)` came out wrong."""
+
+    __slots__ = ("_mode",)
+
+    def __init__(self, level):
+        self._mode = level._lifting
+
+    def __enter__(self):
+        self._mode.below += 1
+
+    def __exit__(self, *exc):
+        self._mode.below -= 1
 
 
 def raise_captured_write(op, transform: str):

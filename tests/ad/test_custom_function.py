@@ -374,3 +374,218 @@ class _OldStyleInPlace(torch.autograd.Function):
 def test_old_style_function_writing_its_input_is_refused_under_nested_derivatives():
     with pytest.raises(RuntimeError, match="writes its inputs .*setup_context"):
         functx.hessian(lambda t: (_OldStyleInPlace.apply(t * 1.0) ** 3).sum())(torch.ones(2, dtype=torch.float64))
+
+
+# Issue 26: silent wrong values found by the widened fuzzer and the op-database sweep.
+
+
+class _NumpyMulSin(torch.autograd.Function):
+    """f(x, y) = x * y + sin(x), forward in NumPy (its result made by `torch.as_tensor`, a
+    factory), backward and jvp in torch on the saved inputs, a vmap staticmethod calling
+    apply again on the batch (the fuzzer's `numpy` family)."""
+
+    @staticmethod
+    def forward(x, y):
+        import numpy as np
+
+        xn, yn = x.detach().numpy(), y.detach().numpy()
+        return torch.as_tensor(np.sin(xn) + xn * yn)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * (y + torch.cos(x)), g * x
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        out = torch.zeros_like(x)  # a factory in the jvp too
+        if tx is not None:
+            out = out + tx * (y + torch.cos(x))
+        if ty is not None:
+            out = out + ty * x
+        return out
+
+    @staticmethod
+    def vmap(info, in_dims, x, y):
+        batch = lambda t, d: t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)  # noqa: E731
+        x, y = batch(x, in_dims[0]), batch(y, in_dims[1])
+        return _NumpyMulSin.apply(x, y), 0
+
+
+def _mul_sin(x, y):
+    return x * y + torch.sin(x)
+
+
+def _plain_hessian(f, x):
+    """Hessian of scalar `f` at `x` by torch.autograd.grad with create_graph, row by row."""
+    leaf = x.clone().requires_grad_()
+    (first,) = torch.autograd.grad(f(leaf), leaf, create_graph=True)
+    return torch.stack([torch.autograd.grad(first[i], leaf, retain_graph=True)[0] for i in range(x.numel())])
+
+
+_SECOND_ORDER = {
+    "hessian": lambda f, x, t: functx.hessian(f)(x) @ t,
+    "jacrev(jacrev)": lambda f, x, t: functx.jacrev(functx.jacrev(f))(x) @ t,
+    "jacrev(grad)": lambda f, x, t: functx.jacrev(functx.grad(f))(x) @ t,
+    "jacfwd(jacrev)": lambda f, x, t: functx.jacfwd(functx.jacrev(f))(x) @ t,
+    "jvp(grad)": lambda f, x, t: functx.jvp(functx.grad(f), (x,), (t,))[1],
+    "grad(jvp)": lambda f, x, t: functx.grad(lambda v: functx.jvp(f, (v,), (t,))[1])(x),
+    "vjp(jvp)": lambda f, x, t: functx.vjp(lambda v: functx.jvp(f, (v,), (t,))[1], x)[1](torch.ones((), dtype=D))[0],
+    "jacfwd(jacfwd)": lambda f, x, t: functx.jacfwd(functx.jacfwd(f))(x) @ t,
+    "vmap(jvp(grad))": lambda f, x, t: functx.vmap(lambda s: functx.jvp(functx.grad(f), (x,), (s,))[1])(t[None])[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_SECOND_ORDER))
+def test_numpy_forward_function_under_two_ad_levels(name):
+    """A Function whose forward leaves torch (NumPy, the result made by `torch.as_tensor`)
+    under any two AD levels: Hessian-vector products of sum(sin(F(x, 2x))) came out wrong
+    (hessian's diagonal 4.35 where -33.05 is right). The result, made by a factory while
+    the wrapped level applying the Function one level down still lifted what factories make
+    (ad/lifting.py), became that level's constant, dropping the outer level's graph or
+    tangent. Reference: the same math in plain torch, torch.autograd.grad with create_graph."""
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(4, dtype=D, generator=g), torch.randn(4, dtype=D, generator=g)
+    f = lambda v: torch.sin(_NumpyMulSin.apply(v, 2 * v)).sum()  # noqa: E731
+    expected = _plain_hessian(lambda v: torch.sin(_mul_sin(v, 2 * v)).sum(), x) @ t
+    torch.testing.assert_close(_SECOND_ORDER[name](f, x, t), expected)
+
+
+def test_numpy_function_under_third_order_jvp():
+    """jvp(jvp(jvp)) through the NumPy Function (its jvp makes `zeros_like`, a factory): the
+    third directional derivative of sin(F(x, x)) against central differences of the second,
+    computed by plain torch.autograd."""
+    x, t = torch.tensor([0.3, -0.7, 1.1], dtype=D), torch.tensor([1.0, 0.5, -2.0], dtype=D)
+
+    def f(v):
+        return torch.sin(_NumpyMulSin.apply(v, v))
+
+    def jvp_n(fn, n):
+        for _ in range(n):
+            fn = (lambda inner: lambda v: functx.jvp(inner, (v,), (t,))[1])(fn)
+        return fn
+
+    def plain_second(v):  # t^T d2f t elementwise, plain autograd
+        leaf = v.clone().requires_grad_()
+        out = torch.sin(_mul_sin(leaf, leaf))
+        (d1,) = torch.autograd.grad(out.sum(), leaf, create_graph=True)
+        (d2,) = torch.autograd.grad(d1.sum(), leaf)
+        return d2 * t * t
+
+    h = 1e-4
+    expected = (plain_second(x + h * t) - plain_second(x - h * t)) / (2 * h)
+    torch.testing.assert_close(jvp_n(f, 3)(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_numpy_cube_under_vmap_of_jvp_of_vjp():
+    """torch's autograd_function_db NumpyCube (NumPy forward, a backward calling another
+    NumPy Function, a vmap staticmethod) under vmap(jvp(vjp)): [9.20, 7.85] where
+    6 x u tx + 3 x^2 tu = [28.53, 32.62] is right (same cause as above). Reference: the
+    closed form, and per sample plain torch forward-over-reverse (torch.autograd.functional.jvp
+    of a create_graph backward of x**3)."""
+    from torch.testing._internal.autograd_function_db import NumpyCube
+
+    g = torch.Generator().manual_seed(0)
+    x, u, tx, tu = (torch.rand(2, 1, dtype=D, generator=g) + 0.8 for _ in range(4))
+    vjp_of = lambda x, u: functx.vjp(lambda x: NumpyCube.apply(x)[0], x)[1](u)[0]  # noqa: E731
+    actual = functx.vmap(lambda *a: functx.jvp(vjp_of, a[:2], a[2:])[1])(x, u, tx, tu)
+
+    def plain_vjp(x, u):
+        leaf = x if x.requires_grad else x.clone().requires_grad_()
+        return torch.autograd.grad(leaf**3, leaf, u, create_graph=True)[0]
+
+    loop = torch.stack([torch.autograd.functional.jvp(plain_vjp, (x[i], u[i]), (tx[i], tu[i]))[1] for i in range(2)])
+    torch.testing.assert_close(actual, loop)
+    torch.testing.assert_close(actual, 6 * x * u * tx + 3 * x**2 * tu)
+
+
+class _OldStyleMulSin(torch.autograd.Function):
+    """Old style: f(x, y) = x * y + sin(x), backward only (the fuzzer's `oldstyle` family)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return _mul_sin(x, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * (y + torch.cos(x)), g * x
+
+
+class _OldStyleMulSinWithJvp(_OldStyleMulSin):
+    """The same with a jvp staticmethod (old style: forward saves for it)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_forward(x, y)
+        return _OldStyleMulSin.forward(ctx, x, y)
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        return tx * (y + torch.cos(x)) + ty * x
+
+
+_FORWARD_OVER_REVERSE = {
+    "jvp(jacrev)": lambda f, x, t: functx.jvp(functx.jacrev(f), (x,), (t,))[1],
+    "jvp(grad)": lambda f, x, t: functx.jvp(functx.grad(f), (x,), (t,))[1],
+    "jvp(hessian)": lambda f, x, t: functx.jvp(functx.hessian(f), (x,), (t,))[1] @ t,
+    "jvp(vmap(grad))": lambda f, x, t: functx.jvp(lambda v: functx.vmap(functx.grad(f))(v[None])[0], (x,), (t,))[1],
+    "jacfwd(jacrev)": lambda f, x, t: functx.jacfwd(functx.jacrev(f))(x) @ t,
+    "vmap(jvp(jacrev))": lambda f, x, t: functx.vmap(lambda v: functx.jvp(functx.jacrev(f), (v,), (t,))[1])(x[None])[0],
+}
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+@pytest.mark.parametrize("name", list(_FORWARD_OVER_REVERSE))
+def test_old_style_function_under_forward_over_reverse(name):
+    """An old-style Function applied at a wrapped grad level with a forward level below (a
+    jvp on the values, `jvp(jacrev)`): functx counted only grad levels below as seeing it,
+    so torch's apply ran its forward with forward AD off there and the result's tangent was
+    lost (0.573 where -3.674 is right, no error). Now the forward level sees it: without a
+    jvp staticmethod it raises the missing-jvp error (as a single jvp does), with one the
+    value is right. Reference: the Hessian-vector product of the plain math by
+    torch.autograd.grad with create_graph."""
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(3, dtype=D, generator=g), torch.randn(3, dtype=D, generator=g)
+    transform = _FORWARD_OVER_REVERSE[name]
+    if name == "jvp(hessian)":  # a third derivative: d/dt of (H t), against differences
+        plain = lambda v: _plain_hessian(lambda w: torch.sin(_mul_sin(w, 2 * w)).sum(), v) @ t  # noqa: E731
+        expected = (plain(x + 1e-5 * t) - plain(x - 1e-5 * t)) / 2e-5
+        tolerance = dict(rtol=1e-6, atol=1e-6)
+    else:
+        expected = _plain_hessian(lambda w: torch.sin(_mul_sin(w, 2 * w)).sum(), x) @ t
+        tolerance = {}
+    with_jvp = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, 2 * v)).sum()  # noqa: E731
+    torch.testing.assert_close(transform(with_jvp, x, t), expected, **tolerance)
+    without = lambda v: torch.sin(_OldStyleMulSin.apply(v, 2 * v)).sum()  # noqa: E731
+    if name == "jacfwd(jacrev)":
+        # the forward level below wraps: it sees the forward's ops (as under grad, the levels
+        # below an old-style Function see its forward) and differentiates them
+        torch.testing.assert_close(transform(without, x, t), expected, **tolerance)
+    else:  # (under vmap(jvp) the error is torch's own, naming no Function)
+        message = "_OldStyleMulSin has no jvp staticmethod|must implement the jvp function"
+        with pytest.raises((RuntimeError, NotImplementedError), match=message):
+            transform(without, x, t)
+        assert functx.core.current_stack() == ()
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+def test_old_style_function_with_jvp_under_jvp_of_jvp():
+    """jvp(jvp) of an old-style Function with a jvp staticmethod (the inner wrapped jvp level
+    applies it to carriers of the outer one: seen below, and its jvp is the one used there).
+    Reference: the second directional derivative by plain torch.autograd."""
+    x, t, s = (torch.tensor(v, dtype=D) for v in ([0.3, -0.7, 1.1], [1.0, 0.5, -2.0], [0.2, 1.0, 0.4]))
+    f = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, v))  # noqa: E731
+    actual = functx.jvp(lambda v: functx.jvp(f, (v,), (t,))[1], (x,), (s,))[1]
+    leaf = x.clone().requires_grad_()
+    (d1,) = torch.autograd.grad(torch.sin(_mul_sin(leaf, leaf)).sum(), leaf, create_graph=True)
+    (d2,) = torch.autograd.grad(d1.sum(), leaf)
+    torch.testing.assert_close(actual, d2 * t * s)

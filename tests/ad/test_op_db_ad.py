@@ -76,11 +76,6 @@ GENERATED_VMAP_RULE_UNREDUCED_GRAD = (
     "wrong dims (batch size == broadcast size) or raises 'invalid gradient' (torch.func "
     "reduces per sample and is right)"
 )
-NUMPY_FUNCTION_VMAP_JVP_VJP = (
-    "WRONG VALUE: vmap over the jvp of the vjp of NumpyCube (a NumPy forward with a vmap "
-    "staticmethod, whose backward calls NumpyMul) gives values that match neither the loop "
-    "of torch's forward-over-backward nor torch.func"
-)
 CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL = (
     "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
     "tangents of an autograd.Function whose forward returns a view (x[idx]): torch raises "
@@ -204,7 +199,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     # NEW_CHECKS
     ("MulGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
     ("ZeroGradientsGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
-    ("NumpyCubeAutogradFunction", "vmap_jvp_vjp"): NUMPY_FUNCTION_VMAP_JVP_VJP,
     **{
         (op, "vmap_jvp"): CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL
         for op in ("SelectAutogradFunction", "SelectGenVmapAutogradFunction", "ForwardHasDefaultArgsAutogradFunction")
