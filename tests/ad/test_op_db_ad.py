@@ -68,14 +68,6 @@ TORCH_DROPS_TANGENT = (
 REFERENCE_RAISES = "torch's own double backward raises (the OpInfo claims supports_gradgrad): no reference"
 
 # causes of the failures of NEW_CHECKS (the test_ops.py compositions)
-GENERATED_VMAP_RULE_UNREDUCED_GRAD = (
-    "WRONG VALUE or error: a generate_vmap_rule Function whose backward returns a gradient "
-    "that is not reduced to its input's shape (MulGenVmap with a broadcast input; "
-    "ZeroGradientsGenVmap's expanded zeros) under vjp(vmap(f)): functx hands the batched "
-    "gradient to torch's engine, whose sum_to aligns physical shapes, so it sums over the "
-    "wrong dims (batch size == broadcast size) or raises 'invalid gradient' (torch.func "
-    "reduces per sample and is right)"
-)
 CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL = (
     "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
     "tangents of an autograd.Function whose forward returns a view (x[idx]): torch raises "
@@ -88,12 +80,6 @@ VIEW_JVP_UNBATCHED_PRIMAL = (
     "torch's INTERNAL ASSERT 'the output of forward differentiable view operations [must] "
     "have the tangent have the same layout as primal' inside functx's forward-mode call "
     "(torch.func passes)"
-)
-LINEAR_CROSS_ENTROPY_VJP_OF_VMAP = (
-    "WRONG VALUE: vjp of vmap(linear_cross_entropy, chunked): the gradient w.r.t. the input "
-    "is all zeros and the one w.r.t. the weight is wrong (vs a loop of torch.autograd.grad; "
-    "the op's backward is a legacy autograd.Function without setup_context, which torch.func "
-    "refuses altogether)"
 )
 SCATTER_REDUCE_PROD_FORWARD = (
     "torch's forward AD of scatter_reduce(reduce='prod') drops or refuses tangents: the jvp "
@@ -197,8 +183,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("native_layer_norm", "vjp_vjp"): REFERENCE_RAISES + " (weight=None: undefined tensor)",
     ("nn.functional.ctc_loss", "vjp_vjp"): REFERENCE_RAISES + " (_ctc_loss_backward has no derivative)",
     # NEW_CHECKS
-    ("MulGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
-    ("ZeroGradientsGenVmapAutogradFunction", "vjp_vmap"): GENERATED_VMAP_RULE_UNREDUCED_GRAD,
     **{
         (op, "vmap_jvp"): CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL
         for op in ("SelectAutogradFunction", "SelectGenVmapAutogradFunction", "ForwardHasDefaultArgsAutogradFunction")
@@ -212,7 +196,7 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     },
     **{
         (op, check): BATCH_NORM_UNBATCHED_RUNNING_STATS
-        for op in ("_batch_norm_with_update", "_native_batch_norm_legit", "nn.functional.batch_norm")
+        for op in ("_batch_norm_with_update", "_native_batch_norm_legit", "nn.functional.batch_norm", "nn.functional.instance_norm")
         for check in VMAP_CHECKS
     },
     **{
@@ -220,10 +204,9 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         for op in ("nn.functional.gaussian_nll_loss", "cov")
         for check in VMAP_CHECKS
     },
-    **{(op, check): RANDOMNESS_SAME_BATCHED for op in ("normal", "bernoulli") for check in VMAP_CHECKS},
+    **{(op, check): RANDOMNESS_SAME_BATCHED for op in ("normal", "bernoulli", "nn.functional.rrelu") for check in VMAP_CHECKS},
     **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
     **{(op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn")},
-    ("nn.functional.linear_cross_entropy.chunked", "vjp_vmap"): LINEAR_CROSS_ENTROPY_VJP_OF_VMAP,
     ("nn.functional.embedding_bag", "vjp_vmap"): EMBEDDING_BAG_VJP_OF_VMAP,
     **{(op, "vmap_vjp_vjp"): VMAP_VJP_VJP_EXPAND for op in ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss")},
     **{("asinh", check): NO_TORCH_INPLACE_DERIVATIVE for check in ("vjp_inplace", "jvp_inplace")},
