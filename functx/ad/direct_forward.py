@@ -49,6 +49,11 @@ _unpack_dual = torch._VF._unpack_dual
 _DUAL_LEVEL = 0
 
 
+def _overlaps(x) -> bool:
+    """Whether elements of `x` share memory (an expand): 0 is torch's "no overlap"."""
+    return x.layout == torch.strided and torch._debug_has_internal_overlap(x) != 0
+
+
 class DirectJvpLevel(ADLevel):
     """A jvp level run by torch's forward AD on the tensors under `vmap_levels`."""
 
@@ -90,7 +95,10 @@ class DirectJvpLevel(ADLevel):
         """The function's input for `primal` with `tangent` (these levels' tensors)."""
         levels = self.vmap_levels
         if not levels:
-            if primal.is_inference():  # made under torch.inference_mode(): cannot carry a tangent
+            # made under torch.inference_mode() (cannot carry a tangent), or overlapping in
+            # memory (`x.expand(3, 4)`: a tangent laid out like it could not hold a value per
+            # element): differentiate a copy, as plain torch's forward AD needs
+            if primal.is_inference() or _overlaps(primal):
                 primal = primal.clone()
             if tangent.stride() != primal.stride() or tangent.is_inference():
                 # laid out like the primal (torch's rule for tangents), made through the

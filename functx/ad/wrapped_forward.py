@@ -139,6 +139,12 @@ def _views_tracked():
     return torch._C._SetExcludeDispatchKeyGuard(_ADInplaceOrView, False)
 
 
+def _overlaps(x) -> bool:
+    """Whether elements of `x` share memory (an expand: a tangent laid out like it could not
+    hold a value per element); 0 is torch's "no overlap"."""
+    return x.layout == torch.strided and not isinstance(x, LevelTensor) and torch._debug_has_internal_overlap(x) != 0
+
+
 class DualTensor(LevelTensor):
     """A tensor inside a wrapped `jvp` level: primal and tangent (None: zero), one level down."""
 
@@ -477,7 +483,7 @@ class WrappedJvpLevel(WrappedLevel):
     def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
         """The function's input for `primal` with `tangent`. Tangents are kept laid out like
         their primals (torch's rule for forward gradients), so views of them line up."""
-        if primal.is_inference():  # made under torch.inference_mode(): cannot carry a tangent
+        if primal.is_inference() or _overlaps(primal):  # cannot carry a (per-element) tangent
             primal = primal.clone()
         if tangent.is_inference():
             tangent = tangent.clone()

@@ -283,3 +283,31 @@ def test_addmm_with_beta_zero_ignores_c_and_its_tangent():
     out, tangent = functx.jvp(lambda c, a: torch.addmm(c, a, b, beta=0), (c, a), (torch.ones_like(c), torch.ones_like(a)))
     torch.testing.assert_close(tangent, torch.ones_like(a) @ b)
     assert not tangent.isnan().any() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("stack", ["jvp", "grad(jvp)", "jacfwd", "vmap(jvp) tangents"])
+def test_jvp_of_an_expanded_primal(stack):
+    """Issue 27: a primal whose elements share memory (`x.expand(3, 4)`) raised "more than one
+    element of the written-to tensor refers to a single memory location": its tangent was
+    laid out like it. The level differentiates a copy now. Against closed forms."""
+    base = torch.randn(4, dtype=torch.float64)
+    p = base.expand(3, 4)
+    t = torch.randn(3, 4, dtype=torch.float64)
+    if stack == "jvp":
+        out, tangent = functx.jvp(lambda a: a.sin() * a, (p,), (t,))
+        torch.testing.assert_close(tangent, (p.cos() * p + p.sin()) * t)
+    elif stack == "grad(jvp)":
+        w = torch.tensor(1.5, dtype=torch.float64)
+        g = functx.grad(lambda w: functx.jvp(lambda a: (a * w).sin().sum(), (p,), (t,))[1])(w)
+        torch.testing.assert_close(g, (-(p * w).sin() * p * w * t + (p * w).cos() * t).sum())
+    elif stack == "jacfwd":
+        jac = functx.jacfwd(lambda a: (a * a).sum(0))(p)
+        expected = torch.zeros(4, 3, 4, dtype=torch.float64)
+        for i in range(3):
+            expected[:, i, :] = torch.diag(2 * base)
+        torch.testing.assert_close(jac, expected)
+    else:
+        ts = torch.randn(5, 3, 4, dtype=torch.float64)
+        tangents = functx.vmap(lambda t: functx.jvp(torch.exp, (p,), (t,))[1])(ts)
+        torch.testing.assert_close(tangents, p.exp() * ts)
+    assert torch.equal(p, base.expand(3, 4))  # the caller's primal is left alone
