@@ -42,16 +42,11 @@ from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere
 from .direct_reverse import install_above, install_direct_level, recorded_at, restore_above, restore_direct_level
 from .level import ADLevel, unwrap_level
 from .lifting import CapturedWrites
-from .wrapped_forward import _tangent_like, load_forward_decompositions
+from .wrapped_forward import _overlaps, _tangent_like, load_forward_decompositions
 
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
 _DUAL_LEVEL = 0
-
-
-def _overlaps(x) -> bool:
-    """Whether elements of `x` share memory (an expand): 0 is torch's "no overlap"."""
-    return x.layout == torch.strided and torch._debug_has_internal_overlap(x) != 0
 
 
 class DirectJvpLevel(ADLevel):

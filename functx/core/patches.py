@@ -1,0 +1,63 @@
+"""Every change functx makes to torch itself, in one list (the design's contract: nothing is
+patched that is not named here, with where and why).
+
+Each entry is `(owner, attribute, installed_by, why)`: `getattr(owner, attribute)` is
+functx's replacement once `functx` is imported. The installing modules still hold the code
+(each next to the machinery it serves); this list is what a reader, a reviewer and
+`tests/core/test_patches.py` check against. Not attributes, so not in the list: the
+autograd kernels `ad/library_ops.py` registers (torch.library IMPL) for operators defined
+before functx's import (the functional collectives), for the same reason as its entry.
+
+Example:
+    >>> import functx
+    >>> from functx.core.patches import PATCHES, installed
+    >>> all(installed(entry) for entry in PATCHES)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+from torch._library import autograd as _library_autograd
+
+PATCHES = (
+    (
+        torch.autograd.Function,
+        "apply",
+        "functx/core/custom_function.py",
+        "a Function applied while a transform runs goes to the highest level among its arguments",
+    ),
+    (
+        torch.autograd,
+        "backward",
+        "functx/ad/user_backward.py",
+        ".backward() inside an AD transform raises a clear error (it used to end in torch's "
+        "'backward through the graph a second time')",
+    ),
+    (
+        _library_autograd,
+        "make_autograd_impl",
+        "functx/ad/library_ops.py",
+        "torch.library operators registered later keep their tangents under forward mode",
+    ),
+    (
+        _checkpoint,
+        "_checkpoint_without_reentrant_generator",
+        "functx/ad/checkpointing.py",
+        "the recomputation's detach does not cut functx's wrapped levels (hessian through "
+        "checkpoint was off by ~4); reentrant checkpointing is replaced under transforms "
+        "through core/custom_function.replace_under_transforms",
+    ),
+)
+
+
+def installed(entry) -> bool:
+    """Whether `entry`'s replacement is in place (its function comes from functx)."""
+    owner, attribute, _, _ = entry
+    value = getattr(owner, attribute)
+    value = getattr(value, "__func__", value)  # a classmethod's function
+    return getattr(value, "__module__", "").startswith("functx.")
+
+
+__all__ = ["PATCHES", "installed"]
