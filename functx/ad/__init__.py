@@ -1,6 +1,7 @@
 """Automatic differentiation: reverse mode (grad levels over torch autograd) and forward
 mode, plus the Jacobian/Hessian transforms built from them."""
 
+from . import aten_forward_rules  # noqa: F401  (ATen forward formulas torch gets wrong)
 from . import checkpointing  # noqa: F401  (torch.utils.checkpoint under transforms)
 from . import custom_function  # noqa: F401  (autograd.Function at grad and jvp levels)
 from . import library_ops  # noqa: F401  (torch.library operators keep their tangents)

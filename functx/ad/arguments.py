@@ -50,6 +50,17 @@ def replace_argnums(args, argnums, new):
     return tuple(args)
 
 
+def own_arguments(level, args, argnums):
+    """`args` as the function at `level` sees them: the tensors of every argument outside
+    `argnums` (an int or a tuple) are the function's own (`level.own`)."""
+    differentiated = (argnums,) if isinstance(argnums, int) else argnums
+
+    def own(x):
+        return level.own(x) if isinstance(x, torch.Tensor) else x
+
+    return tuple(a if i in differentiated else pytree.tree_map(own, a) for i, a in enumerate(args))
+
+
 def make_differentiable(flat, level, api: str) -> list:
     """Every tensor of `flat` (the differentiated arguments' leaves) as an input `level`
     differentiates with respect to."""

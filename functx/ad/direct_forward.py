@@ -49,6 +49,16 @@ _unpack_dual = torch._VF._unpack_dual
 _DUAL_LEVEL = 0
 
 
+def _same_layout(tangent, primal) -> bool:
+    """torch's forward-AD layout rule (`has_same_meta`): strides, storage offset and the
+    storage's size."""
+    return (
+        tangent.stride() == primal.stride()
+        and tangent.storage_offset() == primal.storage_offset()
+        and torch.ops.aten._has_same_storage_numel(tangent, primal)
+    )
+
+
 class DirectJvpLevel(ADLevel):
     """A jvp level run by torch's forward AD on the tensors under `vmap_levels`."""
 
@@ -106,7 +116,20 @@ class DirectJvpLevel(ADLevel):
         physical = batched_everywhere(levels, primal)
         if any(stride == 0 for stride in physical.stride()[: len(levels)]):
             physical = physical.clone()  # an expanded batch dim: give each element its memory
-        return wrap_chain(levels, _make_dual(physical, batched_everywhere(levels, tangent), level=_DUAL_LEVEL))
+        physical_tangent = batched_everywhere(levels, tangent)
+        if not _same_layout(physical_tangent, physical):
+            # laid out like the primal here too (strides, storage offset and size): a tangent
+            # batched only by expansion (stride 0), or a primal that is a chunk of a bigger
+            # input (vmap's chunk_size), made torch's forward-AD view check assert on the
+            # primal's first view where torch does not relayout the tangent itself (under
+            # functx.jit's fake tensors: "the tangent have the same layout as primal")
+            physical_tangent = _tangent_like(physical_tangent, physical, physical_tangent)
+            if not _same_layout(physical_tangent, physical):
+                # functionalization's zeros lose a chunk's storage offset: differentiate a
+                # copy of the chunk, whose layout the tangent can take
+                physical = physical.clone()
+                physical_tangent = _tangent_like(physical_tangent, physical, physical_tangent)
+        return wrap_chain(levels, _make_dual(physical, physical_tangent, level=_DUAL_LEVEL))
 
     def lift_buffer(self, x):
         """A buffer the function made, batched like the primals (DirectGradLevel.lift_buffer)."""

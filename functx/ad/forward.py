@@ -20,9 +20,9 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core import pytree
 from ..core.errors import PerformanceWarning
-from ..core.interpreter import functx_code, interpreting
+from ..core.interpreter import functx_code, interpreting, top_interpreter
 from ..vmap import vmap
-from .arguments import check_argnums, check_outputs, identity_rows, replace_argnums, select_argnums
+from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
 from .choose import choose_level
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
@@ -246,7 +246,10 @@ def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
             raise RuntimeError("jacfwd: Expected all inputs to be real but received complex tensor")
 
     def of_diff(*flat):
-        return func(*replace_argnums(args, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
+        # runs at the jvp level (or the double-VJP's grad level): the other arguments are
+        # the function's own there (a write into one is a valid program)
+        own = own_arguments(top_interpreter(), args, checked)
+        return func(*replace_argnums(own, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
     def push_jvp(*basis):
         flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")

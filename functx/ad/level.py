@@ -38,7 +38,7 @@ import torch
 
 from ..core.interpreter import Interpreter, current_stack
 from ..core.level_tensor import LevelTensor, is_user_detach, refresh_views
-from .lifting import FactoryLifting
+from .lifting import FactoryLifting, mark_made_at
 
 _no_context = contextlib.nullcontext()
 aten = torch.ops.aten
@@ -72,6 +72,16 @@ class ADLevel(Interpreter):
     def seal(self, outputs, inputs) -> None:
         """After the function ran (nothing to do by default)."""
 
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor argument of the function that this level does not differentiate, as the
+        function sees it: the function's own, so that writing a differentiated value into it
+        (`y.copy_(x)` with argnums=0) is a valid program, as in torch.func (which wraps
+        every argument at the level). A direct level has no wrappers: the tensor is marked
+        made inside for the captured-write check (lifting.CapturedWrites), and torch records
+        the write as plain torch does."""
+        mark_made_at(x, self.level)
+        return x
+
     def export(self, tree):
         """Results as they leave the level: this level's tensors replaced by their values."""
         return unwrap_level(tree, self)
@@ -96,6 +106,11 @@ class WrappedLevel(ADLevel):
     def lift(self, value: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         """A tensor made inside the function: a constant of this level."""
         raise NotImplementedError
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """A non-differentiated argument (see ADLevel.own): a constant of this level, so a
+        write into it is recorded on its wrapper, and the caller's tensor gets the value."""
+        return self.lift(x)
 
 
 def outside_inference_mode():

@@ -151,16 +151,28 @@ def _through_autograd_other(op, keyset, *args, **kwargs):
     return op.redispatch((keyset & torch._C._after_autograd_keyset) | _AUTOGRAD_OTHER, *args, **kwargs)
 
 
+def wrap_at_first_forward(op: torch._ops.OpOverload) -> None:
+    """Wrap `op`'s autograd kernel (`wrap_existing`) when the first forward transform runs:
+    until then a program that never uses forward mode keeps torch's kernel untouched."""
+    if _earlier_wrapped:
+        wrap_existing(op)
+    else:
+        _WRAP_AT_FIRST_FORWARD.append(op)
+
+
 def prepare_forward_mode() -> None:
     """Called by every forward transform: the first wraps the `custom_op`s made before functx
-    was imported (here, not at import: it takes ~0.1 s); the forward rules of torch's
-    functional collectives load once they are imported."""
+    was imported (here, not at import: it takes ~0.1 s) and the operators named through
+    `wrap_at_first_forward`; the forward rules of torch's functional collectives load once
+    they are imported."""
     global _earlier_wrapped, _collectives_ready
     if not _earlier_wrapped:
         _earlier_wrapped = True
         for opdef in _EARLIER_OPDEFS:
             if OPDEFS.get(opdef._qualname) is opdef:  # still defined
                 wrap_existing(opdef._opoverload, opdef._lib)
+        for op in _WRAP_AT_FIRST_FORWARD:
+            wrap_existing(op)
     if not _collectives_ready and _FUNCTIONAL_COLLECTIVES in sys.modules:
         _collectives_ready = True
         importlib.import_module("functx.distributed")  # it registers their rules
@@ -170,6 +182,7 @@ _FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
 _libraries: dict = {}
 _forward_aware_ops: set = set()
 _earlier_wrapped = False
+_WRAP_AT_FIRST_FORWARD: list = []
 _collectives_ready = False
 _EARLIER_OPDEFS = list(OPDEFS.values())
 _torch_make_autograd_impl = _library_autograd.make_autograd_impl

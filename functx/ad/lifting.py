@@ -59,6 +59,10 @@ class FactoryLifting(TorchFunctionMode):
             out = rule(self.level, args, kwargs or {})
             if out is not NotImplemented:
                 return out
+        if func in _TO_NUMPY and _constant_of(self.level, args[0]):
+            # a constant of the level (a non-differentiated argument, ADLevel.own, or a
+            # factory's result) leaves torch as its value does, as it did before it was wrapped
+            return func(args[0]._value, *args[1:], **(kwargs or {}))
         if self.level.over_dual_values and not in_level_rule():  # core/dual_values.py
             out = call_at_values(func, args, kwargs or {})
         else:
@@ -73,6 +77,13 @@ class FactoryLifting(TorchFunctionMode):
         ):
             return self.level.lift(out)
         return out
+
+
+_TO_NUMPY = (torch.Tensor.numpy, torch.Tensor.__array__)
+
+
+def _constant_of(level, x) -> bool:
+    return isinstance(x, LevelTensor) and x._interp is level and not level.depends(x)
 
 
 class applying_below:
@@ -176,15 +187,11 @@ def _mark_made(out, number, args):
                 setattr(base, _MADE_AT, number)
 
 
-def arguments_are_the_functions_own(level, args) -> None:
-    """The transformed function's tensor arguments count as made inside it for the
-    captured-write check (`CapturedWrites`): a write of a differentiated value into a
-    non-differentiated argument (`y.copy_(x)` with argnums=0) is a valid program, which
-    torch.func computes (it wraps every tensor argument at the level); at a direct level it
-    is recorded as plain torch records it."""
-    for x in optree.tree_leaves(args):
-        if isinstance(x, torch.Tensor) and getattr(x, _MADE_AT, 0) < level.level:
-            setattr(x, _MADE_AT, level.level)
+def mark_made_at(x: torch.Tensor, number: int) -> None:
+    """`x` counts as made while the level `number` ran, for the captured-write check
+    (`CapturedWrites`; an outer level never lowers an inner level's mark)."""
+    if getattr(x, _MADE_AT, 0) < number:
+        setattr(x, _MADE_AT, number)
 
 
 class CapturedWrites(TorchFunctionMode):

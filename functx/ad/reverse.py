@@ -16,13 +16,13 @@ from .arguments import (
     export,
     identity_rows,
     make_differentiable,
+    own_arguments,
     replace_argnums,
     select_argnums,
 )
 from .choose import choose_level
 from .direct_reverse import is_differentiated, without_own_graph
 from .level import recording, unwrap_level
-from .lifting import arguments_are_the_functions_own
 
 
 def _split_aux(output, has_aux: bool, api: str):
@@ -48,9 +48,8 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
-            arguments_are_the_functions_own(level, args)
             diff = pytree.tree_unflatten(diff_spec, flat_diff)
-            call_args = diff if argnums is None else replace_argnums(args, argnums, diff)
+            call_args = diff if argnums is None else replace_argnums(own_arguments(level, args, argnums), argnums, diff)
         output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
         with functx_code():
             flat_out, out_spec = pytree.tree_flatten(output)
@@ -150,9 +149,9 @@ def _grad_and_value_call(func, argnums, has_aux, args, kwargs):
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
-            arguments_are_the_functions_own(level, args)
             diff = pytree.tree_unflatten(diff_spec, flat_diff)
-        output, aux = _split_aux(func(*replace_argnums(args, checked, diff), **kwargs), has_aux, api)
+            call_args = replace_argnums(own_arguments(level, args, checked), checked, diff)
+        output, aux = _split_aux(func(*call_args, **kwargs), has_aux, api)
         with functx_code():
             if not isinstance(output, torch.Tensor):
                 raise RuntimeError(f"{api}: Expected f(*args) to return a Tensor, got {type(output)}")

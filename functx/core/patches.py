@@ -6,7 +6,10 @@ functx's replacement once `functx` is imported. The installing modules still hol
 (each next to the machinery it serves); this list is what a reader, a reviewer and
 `tests/core/test_patches.py` check against. Not attributes, so not in the list: the
 autograd kernels `ad/library_ops.py` registers (torch.library IMPL) for operators defined
-before functx's import (the functional collectives), for the same reason as its entry.
+before functx's import (the functional collectives), for the same reason as its entry, and
+for the ATen operators whose forward formula torch gets wrong (`ad/aten_forward_rules.py`:
+`mse_loss_backward`, shadowed from the first forward transform on; without a tangent
+torch's own kernel runs).
 
 Example:
     >>> import functx

@@ -203,8 +203,8 @@ def test_an_input_that_is_not_differentiated_is_the_functions_own():
     """`grad(f)(x, buf)` differentiates x only: `buf` is an argument of the function, not a
     captured tensor, and torch.func computes it (issue 27: functx refused it). The value is
     right, `buf` holds the written value afterwards and, under grad, none of the level's
-    history (torch.func keeps that on its wrapper). Under hessian (wrapped levels) it is
-    still refused: a named gap."""
+    history (torch.func keeps that on its wrapper). Under hessian (wrapped levels: the
+    argument is a constant wrapper of the level, `ADLevel.own`) it works too."""
     buf = torch.zeros(3, dtype=D)
 
     def f(x, buf):
@@ -214,8 +214,9 @@ def test_an_input_that_is_not_differentiated_is_the_functions_own():
     x = torch.randn(3, dtype=D)
     torch.testing.assert_close(functx.grad(f)(x, buf), 2 * x)
     assert torch.equal(buf, x) and buf.grad_fn is None and not buf.requires_grad
-    with pytest.raises(RuntimeError, match="captured"):
-        functx.hessian(f)(x, torch.zeros(3, dtype=D))
+    other = torch.zeros(3, dtype=D)
+    torch.testing.assert_close(functx.hessian(f)(x, other), 2 * torch.eye(3, dtype=D))
+    assert torch.equal(other.detach(), x)
     assert current_stack() == ()
 
 
@@ -387,4 +388,121 @@ def test_writing_into_a_non_differentiated_argument_is_a_valid_program(transform
         return
     torch.testing.assert_close(result, 8 * x)
     torch.testing.assert_close(y.detach(), 2 * x)
+    assert current_stack() == ()
+
+
+# Every way a non-differentiated argument reaches a level (direct and wrapped, reverse and
+# forward): `value(x, y)` writes 2x (or x * z) into y and returns sum((y * y)) or y's sine.
+# Reference: the closed form of the written-into program's derivative; afterwards y holds the
+# written primal value (what plain torch and torch.func leave) and no level's history.
+def _copy_into(x, y):
+    y.copy_(x * 2)
+    return torch.sin(y) * x
+
+
+def _setitem_into(x, y, z):
+    x[:2] = y * z
+    return torch.sin(x)
+
+
+def _jacobian_copy_into(x):  # d/dx sin(2x) * x
+    return torch.diag(2 * torch.cos(2 * x) * x + torch.sin(2 * x))
+
+
+WRITE_STACKS = {
+    "jacfwd": lambda x, y: functx.jacfwd(_copy_into)(x, y),
+    "jacrev": lambda x, y: functx.jacrev(_copy_into)(x, y),
+    "jacfwd(chunk_size=1)": lambda x, y: functx.jacfwd(_copy_into, chunk_size=1)(x, y),
+    "jvp(jacfwd)": lambda x, y: functx.jvp(lambda v: functx.jacfwd(_copy_into)(v, y), (x,), (torch.ones_like(x),))[0],
+    "jacrev(chunk_size=1)": lambda x, y: functx.jacrev(_copy_into, chunk_size=1)(x, y),
+    "jacfwd(jacfwd) diagonal": lambda x, y: torch.diag(
+        functx.jacfwd(lambda v: torch.diagonal(functx.jacfwd(_copy_into)(v, y)))(x).diagonal() * 0 + 1
+    ) * _jacobian_copy_into(x),
+}
+# at a direct reverse level the caller's tensor keeps the write's history until vjp_fn has
+# run (torch records it there, as plain torch would); grad drops it (`_drop_recorded_writes`)
+KEEPS_HISTORY = {"jacrev", "jacrev(chunk_size=1)"}
+
+
+@pytest.mark.parametrize("stack", sorted(WRITE_STACKS))
+def test_a_write_into_a_non_differentiated_argument_under_every_stack(stack):
+    x = torch.randn(3, dtype=D)
+    y = torch.zeros(3, dtype=D)
+    torch.testing.assert_close(WRITE_STACKS[stack](x, y), _jacobian_copy_into(x))
+    torch.testing.assert_close(y.detach(), 2 * x)
+    assert stack in KEEPS_HISTORY or (y.grad_fn is None and not y.requires_grad)
+    assert current_stack() == ()
+
+
+@pytest.mark.parametrize("outer", ["vmap", "none"])
+@pytest.mark.parametrize("transform", ["jacfwd", "jacrev"])
+def test_a_write_of_two_differentiated_arguments_into_a_third(transform, outer):
+    """`x[:2] = y * z` with argnums=(1, 2): the Jacobians of sin(x) in y and z, through the
+    write (rows 0 and 1: cos(y z) z and cos(y z) y on the diagonal, row 2 zero)."""
+    jac = getattr(functx, transform)(_setitem_into, argnums=(1, 2))
+    y, z = torch.randn(2, dtype=D), torch.randn(2, dtype=D)
+
+    def expected(y, z):
+        c = torch.cos(y * z)
+        dy, dz = torch.zeros(4, 2, dtype=D), torch.zeros(4, 2, dtype=D)
+        dy[:2] = torch.diag(c * z)
+        dz[:2] = torch.diag(c * y)
+        return dy, dz
+
+    if outer == "none":
+        x = torch.zeros(4, dtype=D)
+        got = jac(x, y, z)
+        for g, e in zip(got, expected(y, z)):
+            torch.testing.assert_close(g, e)
+        torch.testing.assert_close(x[:2], y * z)
+    else:
+        xs, ys, zs = torch.zeros(3, 4, dtype=D), torch.randn(3, 2, dtype=D), torch.randn(3, 2, dtype=D)
+        got = functx.vmap(jac)(xs, ys, zs)
+        for k in range(3):
+            for g, e in zip(got, expected(ys[k], zs[k])):
+                torch.testing.assert_close(g[k], e)
+        torch.testing.assert_close(xs[:, :2], ys * zs)
+    assert current_stack() == ()
+
+
+@pytest.mark.parametrize("transform", ["vmap(jacfwd)", "vmap(jacrev)", "vmap(hessian)", "jacfwd(vmap)"])
+def test_a_write_into_a_batched_non_differentiated_argument(transform):
+    xs, ys = torch.randn(4, 3, dtype=D), torch.zeros(4, 3, dtype=D)
+    if transform == "jacfwd(vmap)":
+        got = functx.jacfwd(functx.vmap(_copy_into))(xs, ys)  # (4, 3, 4, 3): blocks on the diagonal
+        got = torch.stack([got[k, :, k] for k in range(4)])
+    elif transform == "vmap(hessian)":
+        got = functx.vmap(functx.hessian(lambda a, b: _copy_into(a, b).sum()))(xs, ys)
+        expected = torch.stack([torch.diag(4 * torch.cos(2 * x) - 4 * x * torch.sin(2 * x)) for x in xs])
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(ys, 2 * xs)
+        return
+    else:
+        got = functx.vmap(getattr(functx, transform[5:-1])(_copy_into))(xs, ys)
+    torch.testing.assert_close(got, torch.stack([_jacobian_copy_into(x) for x in xs]))
+    torch.testing.assert_close(ys, 2 * xs)
+    assert current_stack() == ()
+
+
+@pytest.mark.parametrize("transform", ["grad", "hessian", "jacfwd", "jacrev(jacrev)"])
+def test_a_non_differentiated_argument_still_leaves_torch(transform):
+    """A non-differentiated argument is a constant wrapper at a wrapped level (ADLevel.own):
+    `.numpy()`, `np.asarray` and `.tolist()` of it still give its values, as before it was
+    wrapped (torch.func raises there)."""
+    import numpy as np
+
+    def f(x, y, idx):
+        scale = torch.as_tensor(y.numpy() * 2) + torch.as_tensor(np.asarray(y))
+        return (x[idx.tolist()] * scale[idx.tolist()]).pow(2).sum()
+
+    x, y, idx = torch.randn(3, dtype=D), torch.randn(3, dtype=D), torch.tensor([0, 2])
+    mask = torch.tensor([1.0, 0.0, 1.0], dtype=D)
+    grad = 2 * x * (3 * y) ** 2 * mask
+    if transform == "grad":
+        torch.testing.assert_close(functx.grad(f)(x, y, idx), grad)
+    elif transform == "jacfwd":
+        torch.testing.assert_close(functx.jacfwd(functx.grad(f))(x, y, idx), torch.diag(2 * (3 * y) ** 2 * mask))
+    else:
+        hess = functx.hessian(f) if transform == "hessian" else functx.jacrev(functx.jacrev(f))
+        torch.testing.assert_close(hess(x, y, idx), torch.diag(2 * (3 * y) ** 2 * mask))
     assert current_stack() == ()

@@ -271,12 +271,16 @@ def grad_of(loss, x, *rest, reduction):
     return torch.autograd.grad(out, x, torch.ones_like(out) * 0.7)[0]
 
 
-def direct_backward(op, reduction_last=False):
-    """fn(grad, x, t, [w], reduction=...) calling a loss backward op directly."""
+def direct_backward(op, reduction_last=False, full_grad=False):
+    """fn(grad, x, t, [w], reduction=...) calling a loss backward op directly. `full_grad`:
+    the grad keeps the input's shape under every reduction, as in the double backward's
+    `mse_loss_backward(grad, self, target, reduction)` for grad_output's own gradient
+    (the vmap rule once assumed a 0-dim grad there: jacrev(jacrev(grad)) and hessian of
+    sin(mse_loss(x, t)) raised)."""
 
     def fn(grad, x, t, *w, reduction):
         r = REDUCTIONS.index(reduction)
-        if grad.dim() and reduction != "none":
+        if grad.dim() and reduction != "none" and not full_grad:
             grad = grad.sum()  # a reduced loss has a 0-dim grad
         return op(grad, x, t, *w, r)
 
@@ -285,6 +289,8 @@ def direct_backward(op, reduction_last=False):
 
 BACKWARD = [
     ("mse_backward", direct_backward(aten.mse_loss_backward), (randn(4, 5), randn(4, 5), randn(4, 5))),
+    ("mse_backward_full_grad", direct_backward(aten.mse_loss_backward, full_grad=True), (randn(4, 5), randn(4, 5), randn(4, 5))),
+    ("mse_backward_row_grad", direct_backward(aten.mse_loss_backward, full_grad=True), (randn(5), randn(4, 5), randn(4, 5))),
     ("soft_margin_backward", direct_backward(aten.soft_margin_loss_backward), (randn(4, 5), randn(4, 5), signs(4, 5))),
     ("bce_backward", direct_backward(aten.binary_cross_entropy_backward), (randn(4, 5), probs(4, 5), probs(4, 5), positive(5))),
     (
@@ -342,3 +348,25 @@ def test_per_sample_gradients_with_functx_grad(loss, target):
     with functx.vmap_fallback("error"):
         grads = vmap(functx.grad(model_loss), in_dims=(None, 0, 0))((w, b), xs, ts)
     torch.testing.assert_close(list(grads), per_sample_grads_reference(model_loss, (w, b), xs, ts))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss", "binary_cross_entropy_with_logits"])
+def test_third_order_through_reduced_losses(name, reduction):
+    """hessian and jacrev(jacrev(grad)) of a function of a reduced loss: the double
+    backward calls the loss's backward op with a grad shaped like the input."""
+    torch.manual_seed(0)
+    x = torch.randn(4, dtype=f64)
+    target = torch.randn(4, dtype=f64)
+    if name == "soft_margin_loss":
+        target = target.sign()
+    elif name == "binary_cross_entropy_with_logits":
+        target = target.sigmoid()
+    loss = getattr(F, name)
+    f = lambda v: torch.sin(loss(v, target, reduction=reduction))  # noqa: E731
+    expected_hessian = torch.autograd.functional.hessian(f, x)
+    torch.testing.assert_close(functx.hessian(f)(x), expected_hessian)
+    torch.testing.assert_close(functx.jacrev(functx.jacrev(f))(x), expected_hessian)
+    third = functx.jacrev(functx.jacrev(functx.grad(f)))(x)
+    expected_third = torch.autograd.functional.jacobian(lambda v: torch.autograd.functional.hessian(f, v, create_graph=True), x)
+    torch.testing.assert_close(third, expected_third)

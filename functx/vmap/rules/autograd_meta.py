@@ -97,7 +97,14 @@ def _element_storage_numel(interp, x):
 def _has_same_storage_numel(interp, a, b):
     # torch asks before attaching a tangent whether its layout matches the primal's, per
     # batch element; where unsure, no (torch then copies the tangent into zeros laid out
-    # like the primal, the rule above).
+    # like the primal, the rule above). Two batched tensors laid out alike in memory (same
+    # batch stride, same physical storage size) have alike elements, wherever the batch dim
+    # lies in memory (in_dims=1 gives batch stride 1): answering no there made torch's
+    # forward AD assert on a write into a view ("the tangent have the same layout as primal").
+    if interp.is_batched(a) and interp.is_batched(b):
+        value_a, value_b = a._value, b._value
+        if value_a.stride(0) == value_b.stride(0) and _storage_numel(value_a) == _storage_numel(value_b):
+            return True
     numel_a = _element_storage_numel(interp, a)
     return numel_a is not None and numel_a == _element_storage_numel(interp, b)
 

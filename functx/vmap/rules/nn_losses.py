@@ -94,7 +94,9 @@ def elementwise_loss_rule(op):
 def elementwise_loss_backward_rule(op):
     """loss_backward(grad_output, self, target, ..., reduction, ...): a "mean"/"sum" grad is
     one number per batch element; spread it over the elements (divided by their count for
-    "mean") and run the reduction="none" backward once."""
+    "mean") and run the reduction="none" backward once. The grad may also come shaped like
+    `self` (the double backward's `mse_loss_backward(grad, self, target, reduction)` for
+    grad_output's gradient, which autograd then sums): it broadcasts as it is."""
     index = _reduction_index(op)
 
     def rule(interp, grad_output, *args, **kwargs):
@@ -104,7 +106,8 @@ def elementwise_loss_backward_rule(op):
         grad = materialize(interp, grad_output)
         if reduction != NONE:
             numel = math.prod(values[0].shape[1:])
-            grad = pad_to_rank(grad / numel if reduction == MEAN else grad, 0, values[0].dim() - 1)
+            grad = grad / numel if reduction == MEAN else grad
+        grad = pad_to_rank(grad, grad_output.dim(), values[0].dim() - 1)
         args[0] = grad.expand(values[0].shape)
         for i, v in zip(positions[1:], values):
             args[i] = v

@@ -1,0 +1,171 @@
+"""Forward-over-reverse through ATen operators whose torch forward formula fails
+(functx/ad/aten_forward_rules.py): mse_loss_backward with reduction="mean" raised
+"ZeroTensors are immutable" under jvp(grad), jvp(jacrev), vmap(jvp(jacrev)) (curvlinops'
+Hessian and GGN products) and jacfwd(grad). References: torch.autograd double backward
+with create_graph in float64, and central differences of the gradient."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functx
+
+DOUBLE = torch.float64
+
+
+def _data(seed, n=5, d=3, k=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=DOUBLE) for shape in ((n, d), (n, k), (d, k), (d, k), (n, k))]
+
+
+def _hvp_reference(f, args, tangents):
+    """d/de grad f(args + e tangents) by autograd with create_graph (f differentiated in every argument)."""
+    leaves = [a.clone().requires_grad_() for a in args]
+    grads = torch.autograd.grad(f(*leaves), leaves, create_graph=True)
+    dot = sum((g * t).sum() for g, t in zip(grads, tangents))
+    second = torch.autograd.grad(dot, leaves, allow_unused=True, materialize_grads=True)
+    return second
+
+
+def _central_difference(f, args, tangents, eps=1e-6):
+    def gradient(values):
+        leaves = [v.clone().requires_grad_() for v in values]
+        return torch.autograd.grad(f(*leaves), leaves)
+
+    plus = gradient([a + eps * t for a, t in zip(args, tangents)])
+    minus = gradient([a - eps * t for a, t in zip(args, tangents)])
+    return [(p - m) / (2 * eps) for p, m in zip(plus, minus)]
+
+
+TRANSFORMS = {
+    "jvp(grad)": lambda f, w, v: functx.jvp(functx.grad(f), (w,), (v,))[1],
+    "jvp(jacrev)": lambda f, w, v: functx.jvp(functx.jacrev(f), (w,), (v,))[1],
+    "jacfwd(grad)@v": lambda f, w, v: (functx.jacfwd(functx.grad(f))(w) * v).sum((-2, -1)),
+    "hessian@v": lambda f, w, v: (functx.hessian(f)(w) * v).sum((-2, -1)),
+    "vmap(jvp(jacrev))": lambda f, w, v: functx.vmap(lambda t: functx.jvp(functx.jacrev(f), (w,), (t,))[1])(
+        torch.stack([v, 2 * v])
+    )[0],
+    "vmap(jvp(grad)) in_dims=0": lambda f, w, v: functx.vmap(lambda ww, t: functx.jvp(functx.grad(f), (ww,), (t,))[1])(
+        torch.stack([w, w]), torch.stack([v, v])
+    )[1],
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_mse_loss_hessian_vector_products(transform, reduction):
+    X, y, W, V, _ = _data(0)
+
+    def loss(w):
+        out = F.mse_loss(X @ w, y, reduction=reduction)
+        return out if reduction != "none" else out.sum()
+
+    got = TRANSFORMS[transform](loss, W, V)
+    (expected,) = _hvp_reference(loss, [W], [V])
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, _central_difference(loss, [W], [V])[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mse_loss_tangent_on_target_and_on_input(reduction):
+    """The rule's other terms: a tangent on the target alone and on both."""
+    X, y, W, V, U = _data(1)
+
+    def loss(w, target):
+        return F.mse_loss(X @ w, target, reduction=reduction)
+
+    for tangents in [(torch.zeros_like(V), U), (V, U)]:
+        got = functx.jvp(functx.grad(loss, argnums=(0, 1)), (W, y), tangents)[1]
+        expected = _hvp_reference(loss, [W, y], tangents)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+
+
+def test_mse_loss_third_order_and_plain_double_backward():
+    """The rule's tangent stays differentiable (grad of jvp(grad)); plain torch double
+    backward through the shadowed kernel is unchanged."""
+    X, y, W, V, _ = _data(2)
+    loss = lambda w: F.mse_loss(torch.tanh(X @ w), y)  # noqa: E731
+    third = functx.grad(lambda w: functx.jvp(functx.grad(loss), (w,), (V,))[1].sum())(W)
+    w = W.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(w), w, create_graph=True)
+    (hv,) = torch.autograd.grad((g * V).sum(), w, create_graph=True)
+    (expected,) = torch.autograd.grad(hv.sum(), w)
+    torch.testing.assert_close(third, expected)
+
+
+def test_mse_loss_backward_tangent_of_grad_output():
+    """A tangent on grad_output itself (the rule's (x - t) g_t term): jvp over the upstream
+    scale of the loss."""
+    X, y, W, V, _ = _data(3)
+
+    def g_of(w, scale):
+        return functx.grad(lambda ww: scale * F.mse_loss(X @ ww, y))(w)
+
+    scale = torch.tensor(1.5, dtype=DOUBLE)
+    got = functx.jvp(g_of, (W, scale), (V, torch.tensor(0.5, dtype=DOUBLE)))[1]
+    # directional derivative by central differences in both arguments
+    eps = 1e-6
+    plus = g_of(W + eps * V, scale + eps * 0.5)
+    minus = g_of(W - eps * V, scale - eps * 0.5)
+    torch.testing.assert_close(got, (plus - minus) / (2 * eps), atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    transform=st.sampled_from(sorted(TRANSFORMS)),
+    broadcast_target=st.booleans(),
+    nonlinearity=st.sampled_from([None, torch.tanh, torch.sin]),
+)
+def test_mse_loss_forward_over_reverse_property(seed, reduction, transform, broadcast_target, nonlinearity):
+    X, y, W, V, _ = _data(seed)
+    target = y[:1] if broadcast_target else y
+
+    def loss(w):
+        out = X @ w
+        out = out if nonlinearity is None else nonlinearity(out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the broadcast target's UserWarning
+            value = F.mse_loss(out, target.expand_as(out) if broadcast_target else target, reduction=reduction)
+        return value if reduction != "none" else value.sum()
+
+    got = TRANSFORMS[transform](loss, W, V)
+    (expected,) = _hvp_reference(loss, [W], [V])
+    torch.testing.assert_close(got, expected)
+
+
+def test_curvlinops_hessian_times_matrix_pattern():
+    """curvlinops' Hessian @ M: vmap over M's columns of jvp(jacrev(loss of the parameters
+    through functional_call)), MSELoss(reduction="mean"), against autograd's full Hessian."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    X, y = torch.randn(6, 3, dtype=DOUBLE), torch.randn(6, 2, dtype=DOUBLE)
+    names = [n for n, _ in model.named_parameters()]
+    params = tuple(p.detach() for p in model.parameters())
+    loss_fn = torch.nn.MSELoss(reduction="mean")
+
+    def loss(*ps):
+        return loss_fn(functx.functional_call(model, dict(zip(names, ps)), (X,)), y)
+
+    sizes = [p.numel() for p in params]
+    M = torch.randn(sum(sizes), 3, dtype=DOUBLE)
+
+    def hvp(column):
+        tangents = tuple(t.reshape(p.shape) for t, p in zip(column.split(sizes), params))
+        out = functx.jvp(functx.jacrev(loss, argnums=tuple(range(len(params)))), params, tangents)[1]
+        return torch.cat([o.flatten() for o in out])
+
+    got = functx.vmap(hvp, in_dims=1, out_dims=1)(M)
+    flat = torch.cat([p.flatten() for p in params]).requires_grad_()
+
+    def flat_loss(v):
+        return loss(*(c.reshape(p.shape) for c, p in zip(v.split(sizes), params)))
+
+    hessian = torch.autograd.functional.hessian(flat_loss, flat.detach())
+    torch.testing.assert_close(got, hessian @ M)
