@@ -88,6 +88,10 @@ def restore_above(previous):
         v.ad_above = flag
 
 
+# the key in an autograd node's metadata naming the direct grad level whose leaf for an
+# unbatched input (batched by expansion for per-element gradients) the node makes
+EXPANDED_LEAF_OF = "functx_expanded_leaf_of"
+
 class DirectGradLevel(ADLevel):
     """A grad level run by plain autograd on the tensors under `vmap_levels` (the vmap levels
     on top of the stack when it opened, innermost last; empty for the outermost level)."""
@@ -181,7 +185,8 @@ class DirectGradLevel(ADLevel):
         """A tensor standing for input `x` that this level differentiates with respect to:
         batched at every level (so an unbatched input's gradient comes out per element)."""
         physical = batched_everywhere(self.vmap_levels, x)
-        if self.vmap_levels and not is_batched_everywhere(self.vmap_levels, x):
+        expanded = self.vmap_levels and not is_batched_everywhere(self.vmap_levels, x)
+        if expanded:
             self.lifts_buffers = True
         if self.over_values:
             primal, tangent = _unpack_dual(x, _DUAL_LEVEL)
@@ -197,6 +202,8 @@ class DirectGradLevel(ADLevel):
             self.connected = True
             leaf = physical.view_as(physical)  # stays connected to the outside graph
             self._own_nodes.add(leaf.grad_fn)
+            if expanded:  # the same value per element, up to here (vmap's unwrap_dead)
+                leaf.grad_fn.metadata[EXPANDED_LEAF_OF] = self
         else:
             # a tensor made under torch.inference_mode() cannot require grad: differentiate a copy
             leaf = (physical.clone() if physical.is_inference() else physical.detach()).requires_grad_()

@@ -78,6 +78,46 @@ class BatchedTensor(LevelTensor):
         )
 
 
+def _same_for_every_element(value) -> bool:
+    """Whether every element along dim 0 of `value` (a plain tensor) equals the first."""
+    if value.stride(0) == 0 or value.shape[0] == 1:
+        return True
+    with torch.no_grad():
+        first = value[:1]
+        same = value == first
+        if value.is_floating_point() or value.is_complex():
+            same |= value.isnan() & first.isnan()
+        return bool(same.all())
+
+
+_EXPANDED_LEAF_OF = "functx_expanded_leaf_of"  # ad/direct_reverse.EXPANDED_LEAF_OF (vmap sits below ad/)
+
+
+def _reaches_only_finished_leaves(node, limit: int = 1000) -> bool:
+    """Whether the autograd graph from `node` (None: no graph) reaches no leaf but those
+    finished direct grad levels made (`_functx_leaf_of`, or a node marked as the expansion
+    of an unbatched input, ad/direct_reverse.py); False past `limit` nodes."""
+    seen, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > limit:
+            return False
+        expanded_by = node.metadata.get(_EXPANDED_LEAF_OF)
+        if expanded_by is not None and not expanded_by.alive:
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf
+            level = getattr(variable, "_functx_leaf_of", None)
+            if level is None or level.alive:
+                return False
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return True
+
+
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
@@ -152,16 +192,25 @@ class VmapInterpreter(Interpreter):
         attribute, a closure). Its value still carries the batch dim while its shape says
         one sample: any result would disagree with its own metadata (`.shape` (3,) but
         `.sum()` over the batch) or lose derivatives. Refuse, as torch.func does, unless
-        every element is the same by construction: the batch dim is an expand (stride 0),
-        as for an unbatched input a direct grad level batched for its per-element gradients
-        (`vmap(grad(f), in_dims=(None, 0))`, f storing `p[0:2]`), which torch.func never
-        batched; then it stands for that one value, as the escaped tensor does there (its
-        derivative is the same per element: the expand's). Equal values alone are not
-        enough (each element may have its own derivative), so a value computed from such
-        an input (`p * 3`, materialized) still raises."""
+        every element is the same: then it stands for that one value. That is what escapes
+        from an unbatched input a direct grad level batched for its per-element gradients
+        (`vmap(grad(f), in_dims=(None, 0))`, f storing `p[0:2]` or `p * 3`: dattri's
+        pattern), which torch.func never batched and lets escape as the plain value. By
+        construction where the batch dim is an expand (stride 0): its derivative is the
+        expand's, the same per element. By value otherwise (every element equal to the
+        first, NaNs in the same places: a value computed from such an input), and only where
+        its graph, if any, reaches nothing but the leaves finished functx levels made for
+        such inputs (their own, or the expansion of the caller's tensor, through which the
+        first element's derivative is the caller's, as in torch.func): equal values with
+        another graph may still have a derivative per element (an inner vmap's `x * 2` of
+        equal rows of an outer grad's input), so those raise. A value that depends on a
+        batched input differs between elements and still raises, as in torch.func."""
         value = x._value
-        if value.dim() and value.shape[0] and value.stride(0) == 0 and not isinstance(value, LevelTensor):
-            return value[0]
+        if value.dim() and value.shape[0] and not isinstance(value, LevelTensor):
+            if value.stride(0) == 0:
+                return value[0]
+            if _same_for_every_element(value) and _reaches_only_finished_leaves(value.grad_fn):
+                return value[0]
         raise DeadLevelError(
             f"vmap: a tensor of shape {tuple(x.shape)} created inside a functx.vmap was used after "
             f"that vmap returned (it escaped the vmapped function, e.g. stored in a list, an "

@@ -1129,18 +1129,17 @@ KNOWN_GAPS = [
     # forward or jvp made one level down were lifted into the level applying it;
     # test_regression_jvp_of_jvp_of_jvp_of_function, test_regression_jacfwd_of_grad_of_function,
     # test_regression_jacfwd_of_jacfwd_of_function, test_regression_vjp_fn_of_jvp_of_jacrev_of_function.)
-    # test_regression_chunked_jacfwd_of_chunked_vmap, test_regression_chunked_jacfwd_of_jacfwd,
-    # test_regression_chunked_jacfwd_of_grad_of_expand:
+    # (Fixed, issue 27: chunked jacfwd over another transform raised torch's view-layout
+    # assert, test_regression_chunked_jacfwd_of_*; a write into a non-differentiated argument
+    # or into a reduction's result under a wrapped level was refused as a captured tensor,
+    # test_regression_jacfwd_of_grad_write_into_reduction_result.)
+    # test_regression_vmap_of_grad_of_mixed_hessian_of_a_reduction:
+    (re.compile(r"torch.autograd.grad inside functx.vmap: an input is not batched"), lambda c: "hessian" in _kinds(c)),
+    # test_regression_grad_of_jacfwd_of_a_numpy_function_of_an_expand:
     (
-        re.compile(r"has_fw_view\(\) INTERNAL ASSERT FAILED"),
-        lambda c: any(t.kind == "jacfwd" and t.params.get("chunk_size") for t in c.stack) and len(c.stack) >= 2,
+        re.compile(r"more than one element of the written-to tensor refers to a single memory location"),
+        lambda c: _has_op(c, "expand") and _has_op(c, "function", cls="numpy"),
     ),
-    # a write into a non-differentiated argument under a wrapped level (jacfwd, hessian: still
-    # refused as a captured tensor; the direct levels accept it since
-    # test_regression_grad_write_into_undifferentiated_argument passes):
-    (re.compile(r"\(a captured tensor\)"), lambda c: _has_op(c, "arg_write", kind="cross")),
-    # test_regression_jacfwd_of_grad_write_into_reduction_result:
-    (re.compile(r"\(a captured tensor\)"), lambda c: _has_op(c, "reduce_write", kind="add_")),
 ]
 
 
@@ -1341,7 +1340,9 @@ def test_reference_matches_finite_differences(case):
     assume(not (case.expand and any(op.name == "amax" for op in case.program.ops)))
     expected = case.run(FiniteDifferences).detach()
     assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)
-    torch.testing.assert_close(case.run(Ref).detach(), expected, rtol=1e-5, atol=1e-5)
+    reference = case.run(Ref).detach()
+    assume(torch.isfinite(reference).all())  # 0 * inf of an overflowed chain (tanh(exp(exp(det))))
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1734,21 +1735,22 @@ def test_regression_grad_write_into_undifferentiated_argument():
     check(Case(program, [T("grad", argnums=0, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx gap: chunked jacfwd over a chunked vmap asserts in torch's forward AD")
 def test_regression_chunked_jacfwd_of_chunked_vmap():
     """jacfwd(argnums=1, chunk_size=1) over vmap(in_dims=(None, 0), chunk_size=1) of
     `sin(x0) + x1` (two chunks of one element): functx raised torch's "!this_view_meta->
     has_fw_view() INTERNAL ASSERT FAILED ... Expected the output of forward differentiable
     view operations to have the tangent have the same layout as primal"; without either
-    chunk_size it is right, and torch.func (no chunk_size for jacfwd) matches the reference."""
+    chunk_size it is right, and torch.func (no chunk_size for jacfwd) matches the reference.
+    Fixed with test_regression_chunked_jacfwd_of_inverse_of_inverse (a chunk of one column:
+    vmap's _has_same_storage_numel misjudged a batch of size 1)."""
     program = Program([(3,), (2, 3)], [Op("sin"), Op("binary", kind="add", j=1)])
     check(Case(program, [T("jacfwd", argnums=1, chunk_size=1), T("vmap", in_dims=(None, 0), out_dims=0, size=2, chunk_size=1)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx gap: chunked jacfwd over jacfwd asserts in torch's forward AD")
 def test_regression_chunked_jacfwd_of_jacfwd():
     """jacfwd(argnums=0, chunk_size=1) over jacfwd(argnums=(0, 1)) of `sin(x0) + x1`: the
-    same "has_fw_view() INTERNAL ASSERT FAILED" (argnums=0 inside is right)."""
+    same "has_fw_view() INTERNAL ASSERT FAILED" (argnums=0 inside is right). Fixed with
+    test_regression_chunked_jacfwd_of_inverse_of_inverse."""
     program = Program([(3,), (3,)], [Op("sin"), Op("binary", kind="add", j=1)])
     check(Case(program, [T("jacfwd", argnums=0, chunk_size=1), T("jacfwd", argnums=(0, 1))]))
 
@@ -1772,10 +1774,10 @@ def test_regression_vjp_of_jvp_of_det():
     check(Case(Program([(3,)], [Op("linalg", kind="det")]), [T("vjp", seed=0), T("jvp", seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx gap: chunked jacfwd over grad asserts in torch's forward AD")
 def test_regression_chunked_jacfwd_of_grad_of_expand():
     """jacfwd(chunk_size=1) over grad of `x.unsqueeze(0).expand(2, 2, 3) @ M`: the same
-    "has_fw_view() INTERNAL ASSERT FAILED"; chunk_size 2 or none, or jacfwd alone, is right."""
+    "has_fw_view() INTERNAL ASSERT FAILED"; chunk_size 2 or none, or jacfwd alone, is right.
+    Fixed with test_regression_chunked_jacfwd_of_inverse_of_inverse."""
     program = Program([(2, 3)], [Op("expand"), Op("matmul", k=2, seed=0)])
     check(Case(program, [T("jacfwd", argnums=0, chunk_size=1), T("grad", argnums=0, seed=0)]))
 
@@ -1819,3 +1821,31 @@ def test_regression_vjp_of_jvp_of_grad_of_eigvalsh():
     outer level. vjp(jvp) and jvp(grad) are right."""
     program = Program([(3,)], [Op("linalg", kind="eigvalsh")])
     check(Case(program, [T("vjp", seed=0), T("jvp", seed=0), T("grad", argnums=0, seed=0)]))
+
+
+# Found by a 3,000-example run (FUNCTX_FUZZ_EXAMPLES=3000) after the loss ops were added:
+# errors on valid programs that the default 300 examples do not reach. Known gaps.
+@pytest.mark.xfail(strict=True, reason="functx gap: torch.autograd.grad inside vmap refuses an input not batched at every level")
+def test_regression_vmap_of_grad_of_mixed_hessian_of_a_reduction():
+    """vmap(size 1) over grad over hessian(mix=True) of `x0.sum().reshape(1)`: functx raises
+    "torch.autograd.grad inside functx.vmap: an input is not batched at every vmap level its
+    outputs are batched at"; the reference runs."""
+    program = Program([(3,)], [Op("sum", dim=None), Op("reshape", shape=(1,))])
+    check(Case(program, [T("vmap", in_dims=(0,), out_dims=0, size=1), T("grad", argnums=0, seed=0), T("hessian", argnums=0, seed=0, mix=True)]))
+
+
+@pytest.mark.xfail(strict=True, reason="functx gap: a NumPy Function of an expanded value under grad(jacfwd) writes into overlapping memory")
+def test_regression_grad_of_jacfwd_of_a_numpy_function_of_an_expand():
+    """grad over jacfwd(argnums=(0, 1)) of `NumpyFn.apply(x0.unsqueeze(0).expand(2, 3), x0) + x1`:
+    "more than one element of the written-to tensor refers to a single memory location"."""
+    program = Program([(3,), (3,)], [Op("expand"), Op("function", cls="numpy", j=0), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("grad", argnums=0, seed=0), T("jacfwd", argnums=(0, 1))]))
+
+
+def test_regression_chunked_jacfwd_of_inverse_of_inverse():
+    """jacfwd(chunk_size=1) of inv(G(inv(G(x)))) (G = m^T m + diag): the view of linalg.inv's
+    column-major result asserted in torch's forward AD ("the tangent have the same layout as
+    primal"); chunk_size=None or 3 worked. A chunk of one column is a batch of size 1, whose
+    batch stride `view` sets freely (3, not 9): vmap's _has_same_storage_numel judged the
+    element storage from it and answered no. One element's storage is all of it now."""
+    check(Case(Program([(3,)], [Op("linalg", kind="inv"), Op("linalg", kind="inv")]), [T("jacfwd", argnums=0, chunk_size=1)]))

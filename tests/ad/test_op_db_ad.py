@@ -87,10 +87,6 @@ SCATTER_REDUCE_PROD_FORWARD = (
     "finite differences), and the in-place variant's jvp raises 'Expected a proper Tensor "
     "but got None' in both"
 )
-VMAP_VJP_VJP_EXPAND = (
-    "functx error on a valid program: vmap of the vjp of the vjp of mse_loss / smooth_l1_loss (scalar output "
-    "with a batched cotangent) raises 'expand([3, 1, 5], size=[3, 5])' (torch.func passes)"
-)
 EMBEDDING_BAG_VJP_OF_VMAP = (
     "functx error on a valid program: vjp of vmap(embedding_bag) raises 'Autograd not support "
     "dtype: Long' from vmap's per-sample fallback (an integer offsets/indices tensor is made "
@@ -208,7 +204,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
     **{(op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn")},
     ("nn.functional.embedding_bag", "vjp_vmap"): EMBEDDING_BAG_VJP_OF_VMAP,
-    **{(op, "vmap_vjp_vjp"): VMAP_VJP_VJP_EXPAND for op in ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss")},
     **{("asinh", check): NO_TORCH_INPLACE_DERIVATIVE for check in ("vjp_inplace", "jvp_inplace")},
     ("as_strided_scatter", "vjp_vmap"): TORCH_AS_STRIDED_SCATTER_0D,
     **{("scatter_reduce.prod", check): SCATTER_REDUCE_PROD_FORWARD for check in ("jvp_vjp", "jvp_inplace")},

@@ -83,16 +83,25 @@ def test_escaped_batched_tensor_is_refused_with_a_clear_error():
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
-@pytest.mark.parametrize("store", ["slice", "whole", "transposed view"])
+@pytest.mark.parametrize("store", ["slice", "whole", "transposed view", "p * 3", "sin(p).sum()", "nan"])
 def test_an_escaped_unbatched_input_of_vmap_grad_stands_for_its_value(store, requires_grad):
     """Issue 27 (dattri): inside `vmap(grad(f), in_dims=(None, 0))` the unbatched parameter
     is batched by the grad level (an expand, for per-element gradients), which torch.func
     never does; a slice of it stored in a dict and read after the call raised
     DeadLevelError in functx and is the plain value in torch.func. Every element of such a
-    view is the same memory, so it now stands for that value (a value computed from it,
-    `p * 3`, still raises: its elements are copies that may differ in derivative)."""
+    view is the same memory, so it stands for that value; a value computed from it (`p * 3`)
+    has every element equal and a graph to the finished level's leaf only: it stands for
+    its value too. (What escapes carries no graph to the caller's `p` even where p requires
+    grad, where torch.func's keeps one: a known difference.)"""
     stored = {}
-    make = {"slice": lambda p: p[0:2], "whole": lambda p: p, "transposed view": lambda p: p.view(2, 2).t()}[store]
+    make = {
+        "slice": lambda p: p[0:2],
+        "whole": lambda p: p,
+        "transposed view": lambda p: p.view(2, 2).t(),
+        "p * 3": lambda p: p * 3,
+        "sin(p).sum()": lambda p: torch.sin(p).sum(),
+        "nan": lambda p: torch.where(p > 0, p.log(), p),
+    }[store]
 
     def f(p, x):
         stored["w"] = make(p)
@@ -105,9 +114,22 @@ def test_an_escaped_unbatched_input_of_vmap_grad_stands_for_its_value(store, req
         grads = grads.detach()
     torch.testing.assert_close(grads, xs)
     expected = make(p.detach())
-    torch.testing.assert_close(stored["w"] * 2, expected * 2)
+    torch.testing.assert_close(stored["w"] * 2, expected * 2, equal_nan=True)
     assert stored["w"].shape == expected.shape
     assert current_stack() == ()
+
+
+def test_an_escaped_value_of_a_batched_input_still_raises_under_vmap_grad():
+    """What depends on the batched input differs between elements: refused, as torch.func does."""
+    stored = {}
+
+    def f(p, x):
+        stored["px"] = p * x
+        return (p * x).sum()
+
+    vmap(functx.grad(f), in_dims=(None, 0))(torch.randn(4), torch.randn(3, 4))
+    with pytest.raises(DeadLevelError, match="escaped"):
+        stored["px"] + 1
 
 
 def test_tensor_escaping_an_inner_vmap_into_an_enclosing_grad_is_refused():

@@ -88,6 +88,8 @@ def _element_storage_numel(interp, x):
         return _storage_numel(x)
     value = x._value
     total = _storage_numel(value)
+    if interp.batch_size == 1:  # one element: its storage is all of it (a size-1 dim's
+        return total  # stride is arbitrary: `view` gives it any value)
     if value.stride(0) * interp.batch_size != total:
         return None
     return value.stride(0)
