@@ -35,6 +35,7 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core.custom_function import in_function_body
 from ..core.dual_values import call_at_values, in_level_rule
 from ..core.errors import op_name
 from ..core.factories import FACTORIES
@@ -250,6 +251,8 @@ class CapturedWrites(TorchFunctionMode):
         return out
 
     def _check(self, func, args, kwargs, in_place):
+        if in_function_body():  # a Function's own staticmethods (core/custom_function.py)
+            return
         targets = list(_tensors([args[0]])) if in_place and args else []
         values = list(_tensors(args[1:] if in_place else args))
         for key, value in kwargs.items():

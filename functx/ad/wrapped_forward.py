@@ -404,10 +404,31 @@ def _nll_loss_forward_jvp(out, values, t, kwargs):
 
 
 _SOFTMAXES = (aten._log_softmax.default, aten._softmax.default)
+def _vector_norm_jvp(out, values, t, kwargs):
+    """The 2-norm's tangent, out of place: torch's `norm_jvp` divides and masks a temporary
+    in place, and under a reverse level below (grad(jvp(jvp(norm))), F.normalize under
+    grad(jacfwd(jacfwd))) the outer grad had saved it: "modified by an inplace operation"
+    (torch.func fails the same way)."""
+    x = values[0]
+    dim = values[2] if len(values) > 2 else kwargs.get("dim")
+    keepdim = values[3] if len(values) > 3 else kwargs.get("keepdim", False)
+    dims = list(range(x.dim())) if dim is None else dim
+    total = (x * t).sum(dims, keepdim=keepdim) if x.dim() else x * t
+    return torch.where(out == 0, torch.zeros_like(total), total / out)
+
+
+def _is_real_two_norm(op, values, kwargs) -> bool:
+    if op is not aten.linalg_vector_norm.default:
+        return True
+    order = values[1] if len(values) > 1 else kwargs.get("ord", 2)
+    return order == 2 and not values[0].is_complex() and kwargs.get("dtype") is None
+
+
 _EXPLICIT_JVPS = {
     aten._log_softmax.default: _log_softmax_jvp,
     aten._softmax.default: _softmax_jvp,
     aten.nll_loss_forward.default: _nll_loss_forward_jvp,
+    aten.linalg_vector_norm.default: _vector_norm_jvp,
 }
 
 
@@ -671,7 +692,8 @@ class WrappedJvpLevel(WrappedLevel):
                 if plain and isinstance(value, LevelTensor):
                     plain = False
             elif type(a) is list or type(a) is tuple:
-                return _GENERAL
+                if op not in _EXPLICIT_JVPS or any(isinstance(e, torch.Tensor) for e in a):
+                    return _GENERAL  # (an explicit jvp takes a list of dims)
             elif plain and isinstance(a, LevelTensor):
                 plain = False
         if kwargs:
@@ -690,8 +712,12 @@ class WrappedJvpLevel(WrappedLevel):
                 out = op(*values, **kwargs)
                 return DualTensor(out, matmul_jvp(out, values, tangents, kwargs), self)
         explicit = _EXPLICIT_JVPS.get(op)
-        if explicit is not None and tangents[0] is not None and all(t is None for t in tangents[1:]) and not (
-            op in _SOFTMAXES and values[2]  # half_to_float: leave the dtype handling to torch
+        if (
+            explicit is not None
+            and tangents[0] is not None
+            and all(t is None for t in tangents[1:])
+            and not (op in _SOFTMAXES and values[2])  # half_to_float: leave the dtype handling to torch
+            and _is_real_two_norm(op, values, kwargs)
         ):
             with self._one_level_down():  # the same: tangents by ops on the values one level down
                 out = op(*values, **kwargs)

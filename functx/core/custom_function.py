@@ -33,6 +33,7 @@ torch behaves exactly as before for everyone else.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import optree
 import torch
@@ -54,6 +55,28 @@ def apply_original(function, *args, **kwargs):
 _LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs)
 _REPLACED: dict = {}  # Function class -> what runs instead of its apply under a transform
 _VALUE_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs) or None
+
+
+_function_body = threading.local()  # `depth`: Functions being applied on plain values
+
+
+class function_body:
+    """While torch runs a Function's own staticmethods for the levels that run on torch's
+    autograd and forward AD (no level tensor among its arguments): what they do is the
+    Function's, not the user's program (`jvp` may update a tangent in place, as NumpyExp_
+    does with mark_dirty), so the captured-write check (ad/lifting.CapturedWrites) lets it be."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _function_body.depth = getattr(_function_body, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _function_body.depth -= 1
+
+
+def in_function_body() -> bool:
+    return getattr(_function_body, "depth", 0) > 0
 
 
 def register_level_rule(level_class, rule) -> None:
@@ -160,7 +183,8 @@ def _apply(cls, *args, **kwargs):
                 out = value_rule(interp, cls, args, kwargs)
                 if out is not None:
                     return out
-        return _original_apply_function(cls, *args, **kwargs)
+        with function_body():
+            return _original_apply_function(cls, *args, **kwargs)
     rule = _LEVEL_RULES.get(type(top))
     if rule is None:
         raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")

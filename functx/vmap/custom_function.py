@@ -461,12 +461,24 @@ def _generated_rule_function(function):
         tangents = tangents[1:]  # (the spec has none)
         tangent_dims = tuple(None if t is None else d for t, d in zip(tangents, spec.in_dims))
 
-        def inner(saved, tangents):
-            return function.jvp(_SavedCtx(ctx, saved), *tangents)
+        # A jvp may return None for an output with no tangent (SortGenVmap's indices): vmap
+        # takes the tensors only, and the Nones go back in their places.
+        none_at = []
 
-        return vmap(inner, in_dims=(state.saved_forward_dims or state.saved_dims, tangent_dims), randomness=spec.randomness)(
+        def inner(saved, tangents):
+            out = function.jvp(_SavedCtx(ctx, saved), *tangents)
+            if type(out) is tuple:
+                none_at[:] = [o is None for o in out]
+                return tuple(o for o in out if o is not None)
+            return out
+
+        out = vmap(inner, in_dims=(state.saved_forward_dims or state.saved_dims, tangent_dims), randomness=spec.randomness)(
             tuple(ctx.saved_tensors), tangents
         )
+        if not any(none_at):
+            return out
+        tensors = iter(out)
+        return tuple(None if none else next(tensors) for none in none_at)
 
     name = f"{function.__name__}Vmapped"
     members = {

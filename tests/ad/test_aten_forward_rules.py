@@ -171,11 +171,12 @@ def test_curvlinops_hessian_times_matrix_pattern():
     torch.testing.assert_close(got, hessian @ M)
 
 
-@pytest.mark.xfail(strict=True, reason="functx gap (torch.func fails too): norm's forward formula writes in place into a tensor the outer grad saved")
 def test_grad_of_jvp_of_jvp_of_a_norm():
     """grad(jvp(jvp(vector_norm))) (F.normalize's norm; issue 27's grad(jacfwd(jacfwd)) with
     index_fill_ and F.normalize): "one of the variables needed for gradient computation has
-    been modified by an inplace operation ... output 0 of MaskedFill". Plain autograd's
+    been modified by an inplace operation ... output 0 of MaskedFill" (torch.func too):
+    torch's norm_jvp divides and masks a temporary in place. The wrapped jvp level computes
+    the 2-norm's tangent out of place (wrapped_forward._vector_norm_jvp). Plain autograd's
     third derivative is the reference."""
     x, one = torch.randn(3, dtype=DOUBLE), torch.ones(3, dtype=DOUBLE)
 
@@ -187,3 +188,63 @@ def test_grad_of_jvp_of_jvp_of_a_norm():
     (hv,) = torch.autograd.grad((g * one).sum(), leaf, create_graph=True)
     (expected,) = torch.autograd.grad((hv * one).sum(), leaf)
     torch.testing.assert_close(functx.grad(f)(x), expected)
+
+
+def _third_order_reference(g, x, y):
+    """d/dx sum_ij d/dx_j d/dy_i... : grad over x of the sum of the mixed Hessian d2 g / dy dx
+    of each output, by plain autograd with create_graph (float64)."""
+    xx, yy = x.clone().requires_grad_(), y.clone().requires_grad_()
+    out = g(xx, yy).flatten()
+    total = 0
+    for o in out:
+        (gy,) = torch.autograd.grad(o, yy, create_graph=True)
+        for e in gy.flatten():
+            (gx,) = torch.autograd.grad(e, xx, create_graph=True, allow_unused=True, materialize_grads=True)
+            total = total + gx.sum()
+    return torch.autograd.grad(total, xx)[0]
+
+
+def test_the_issues_index_fill_and_normalize_under_grad_of_jacfwd_of_jacfwd():
+    idx = torch.tensor([1])
+
+    def g(x, y):
+        a = x.clone()
+        a.index_fill_(0, idx, 0.5)
+        b = y.clone()
+        b.index_fill_(0, idx, 2.0)
+        return F.normalize(a * b + x * y, dim=0)
+
+    x, y = _data(4)[0][0][:3].clone(), _data(5)[0][0][:3].clone()
+    got = functx.grad(lambda x, y: functx.jacfwd(functx.jacfwd(g, argnums=1), argnums=0)(x, y).sum())(x, y)
+    torch.testing.assert_close(got, _third_order_reference(g, x, y))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    dim=st.sampled_from([None, 0, 1, (0, 1)]),
+    keepdim=st.booleans(),
+    stack=st.sampled_from(["grad(jvp(jvp))", "grad(jacfwd(jacfwd))", "jacfwd(jacfwd(jacfwd))"]),
+)
+def test_norms_under_third_order_stacks(seed, dim, keepdim, stack):
+    """The 2-norm's tangent at a wrapped jvp level, against plain autograd's third
+    derivatives: dims as int, list or None, keepdim, a normalize-like division."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 2, dtype=DOUBLE, generator=g)
+    v = torch.randn(3, 2, dtype=DOUBLE, generator=g)
+
+    def f(a):
+        n = torch.linalg.vector_norm(a, dim=dim, keepdim=keepdim)
+        return (n.sum() * a).sin().sum() if not keepdim else (a / n.clamp_min(1e-12)).sin().sum()
+
+    leaf = x.clone().requires_grad_()
+    (g1,) = torch.autograd.grad(f(leaf), leaf, create_graph=True)
+    (g2,) = torch.autograd.grad((g1 * v).sum(), leaf, create_graph=True)
+    (g3,) = torch.autograd.grad((g2 * v).sum(), leaf)
+    if stack == "grad(jvp(jvp))":
+        got = functx.grad(lambda a: functx.jvp(lambda b: functx.jvp(f, (b,), (v,))[1], (a,), (v,))[1])(x)
+    elif stack == "grad(jacfwd(jacfwd))":
+        got = functx.grad(lambda a: (functx.jacfwd(lambda b: (functx.jacfwd(f)(b) * v).sum())(a) * v).sum())(x)
+    else:
+        got = functx.jacfwd(lambda a: (functx.jacfwd(lambda b: (functx.jacfwd(f)(b) * v).sum())(a) * v).sum())(x)
+    torch.testing.assert_close(got, g3)

@@ -589,3 +589,26 @@ def test_old_style_function_with_jvp_under_jvp_of_jvp():
     (d1,) = torch.autograd.grad(torch.sin(_mul_sin(leaf, leaf)).sum(), leaf, create_graph=True)
     (d2,) = torch.autograd.grad(d1.sum(), leaf)
     torch.testing.assert_close(actual, d2 * t * s)
+
+
+@pytest.mark.parametrize("stack", ["jvp(vjp)", "jvp(grad)", "jacfwd(grad)"])
+def test_a_functions_jvp_may_update_the_tangent_in_place(stack):
+    """NumpyExp_ (torch's autograd_function_db: mark_dirty, a jvp that does
+    `x_tangent.mul_(output)`) under forward over reverse: functx's captured-write check took
+    the jvp's in-place update of a tangent from outside the grad level for the user's write
+    and refused it (op-db jvp_vjp); a Function's own staticmethods are not checked now.
+    Reference: exp's closed forms."""
+    from torch.testing._internal.autograd_function_db import NumpyExp_
+
+    x, t, ct = (torch.randn(4, dtype=torch.float64) for _ in range(3))
+    f = lambda v: NumpyExp_.apply(v.clone())  # noqa: E731
+    if stack == "jvp(vjp)":
+        got = functx.jvp(lambda v: functx.vjp(f, v)[1](ct)[0], (x,), (t,))[1]
+        expected = ct * torch.exp(x) * t
+    elif stack == "jvp(grad)":
+        got = functx.jvp(functx.grad(lambda v: f(v).sum()), (x,), (t,))[1]
+        expected = torch.exp(x) * t
+    else:
+        got = functx.jacfwd(functx.grad(lambda v: f(v).sum()))(x)
+        expected = torch.diag(torch.exp(x))
+    torch.testing.assert_close(got, expected)

@@ -97,15 +97,6 @@ STORAGE_DEPENDENT = (
     "not a function of the input's values: under vmap the storage around each sample is the "
     "batch's; torch.func gives the same values as functx, the per-sample loop differs"
 )
-CUSTOM_JVP_NONE_TANGENT_UNDER_VMAP = (
-    "functx error on a valid program: under vmap, the jvp staticmethod of SortGenVmap returns "
-    "None for its integer outputs and functx's vmap then sees a None output "
-    "('inner must only return Tensors'); torch.func passes"
-)
-MARK_DIRTY_JVP_OF_VJP = (
-    "functx error on a valid program: jvp of the vjp of NumpyExp_ (mark_dirty, in place): "
-    "functx.grad refuses its backward's mul_ as a write into a captured tensor (torch.func passes)"
-)
 NOT_COMPOSABLE_JVP = (
     "the autograd.Function has no jvp staticmethod: functx's forward-mode transforms refuse "
     "it, as torch.func's do (by design)"
@@ -183,8 +174,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         (op, "vmap_jvp"): CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL
         for op in ("SelectAutogradFunction", "SelectGenVmapAutogradFunction", "ForwardHasDefaultArgsAutogradFunction")
     },
-    **{("SortGenVmapAutogradFunction", check): CUSTOM_JVP_NONE_TANGENT_UNDER_VMAP for check in ("vmap_jvp", "vmap_jvp_vjp")},
-    ("NumpyExpMarkDirtyAutogradFunction", "jvp_vjp"): MARK_DIRTY_JVP_OF_VJP,
     **{("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_JVP for check in ("jvp", "jvp_vjp")},
     **{
         ("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_VMAP

@@ -543,3 +543,54 @@ def test_custom_op_vmap_rule_gets_0_after_a_unary_op_where_torch_func_gives_the_
     _op_rule_calls.clear()
     torch.testing.assert_close(functx.vmap(lambda a: _scale(a.sin(), y, 2.0), in_dims=1)(x), expected)
     assert _op_rule_calls == [(4, (0, None, None))]
+
+
+class _SortWithIndices(torch.autograd.Function):
+    """sort along the last dim, returning (values, indices); its jvp gives None for the
+    integer indices (as torch's own SortGenVmap test Function does)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        values, indices = torch.sort(x, dim=-1)
+        return values, indices
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(output[1])
+        ctx.save_for_forward(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_values, _grad_indices):
+        (indices,) = ctx.saved_tensors
+        return torch.zeros_like(grad_values).scatter(-1, indices, grad_values)
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        (indices,) = ctx.saved_tensors
+        return torch.gather(tangent, -1, indices), None
+
+
+def test_generated_vmap_rule_of_a_jvp_returning_none_for_an_integer_output():
+    """vmap(jvp) of a generate_vmap_rule Function whose jvp returns None for its integer
+    output raised "`inner` must only return Tensors" (op-db SortGenVmap, vmap_jvp and
+    vmap_jvp_vjp). Reference: plain forward AD of torch.sort per tangent."""
+    x = torch.randn(4, 5, dtype=torch.float64)
+    tangents = torch.randn(3, 4, 5, dtype=torch.float64)
+    got = functx.vmap(lambda t: functx.jvp(lambda v: _SortWithIndices.apply(v)[0], (x,), (t,))[1])(tangents)
+    import torch.autograd.forward_ad as fwAD
+
+    expected = []
+    for t in tangents:
+        with fwAD.dual_level():
+            expected.append(fwAD.unpack_dual(torch.sort(fwAD.make_dual(x, t), dim=-1)[0]).tangent)
+    torch.testing.assert_close(got, torch.stack(expected))
+    xs = torch.randn(3, 4, 5, dtype=torch.float64)
+    got = functx.vmap(lambda v, t: functx.jvp(lambda u: _SortWithIndices.apply(u)[0], (v,), (t,))[1])(xs, tangents)
+    expected = []
+    for v, t in zip(xs, tangents):
+        with fwAD.dual_level():
+            expected.append(fwAD.unpack_dual(torch.sort(fwAD.make_dual(v, t), dim=-1)[0]).tangent)
+    torch.testing.assert_close(got, torch.stack(expected))
