@@ -87,11 +87,6 @@ SCATTER_REDUCE_PROD_FORWARD = (
     "finite differences), and the in-place variant's jvp raises 'Expected a proper Tensor "
     "but got None' in both"
 )
-EMBEDDING_BAG_VJP_OF_VMAP = (
-    "functx error on a valid program: vjp of vmap(embedding_bag) raises 'Autograd not support "
-    "dtype: Long' from vmap's per-sample fallback (an integer offsets/indices tensor is made "
-    "a differentiable level tensor); torch.func passes"
-)
 STORAGE_DEPENDENT = (
     "as_strided with partial views reads storage outside its input's view, so its value is "
     "not a function of the input's values: under vmap the storage around each sample is the "
@@ -192,7 +187,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{(op, check): RANDOMNESS_SAME_BATCHED for op in ("normal", "bernoulli", "nn.functional.rrelu") for check in VMAP_CHECKS},
     **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
     **{(op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn")},
-    ("nn.functional.embedding_bag", "vjp_vmap"): EMBEDDING_BAG_VJP_OF_VMAP,
     **{("asinh", check): NO_TORCH_INPLACE_DERIVATIVE for check in ("vjp_inplace", "jvp_inplace")},
     ("as_strided_scatter", "vjp_vmap"): TORCH_AS_STRIDED_SCATTER_0D,
     **{("scatter_reduce.prod", check): SCATTER_REDUCE_PROD_FORWARD for check in ("jvp_vjp", "jvp_inplace")},

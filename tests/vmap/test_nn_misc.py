@@ -186,3 +186,40 @@ def test_per_sample_gradients_with_functx_grad():
         p = [q.detach().requires_grad_() for q in (wq, a)]
         expected.append(torch.autograd.grad(loss(p, x), p))
     torch.testing.assert_close(list(grads), [torch.stack(g) for g in zip(*expected)])
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("stack", ["vjp(vmap)", "vmap(grad)", "vmap"])
+@pytest.mark.parametrize("per_sample_weights", [False, True])
+def test_embedding_bag_under_reverse_mode_and_vmap(mode, stack, per_sample_weights):
+    """embedding_bag with a batched weight: under vjp(vmap) torch picked the forward-only op
+    (the BatchedTensor weight does not report requires_grad) and the per-sample loop met a
+    differentiated weight: "Autograd not support dtype: Long" (op-db embedding_bag vjp_vmap).
+    Reference: plain autograd per sample."""
+    if per_sample_weights and mode != "sum":
+        pytest.skip("per_sample_weights needs mode='sum'")
+    torch.manual_seed(0)
+    weights = torch.randn(3, 10, 4, dtype=torch.float64)
+    indices, offsets = torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 3])
+    psw = torch.rand(6, dtype=torch.float64) if per_sample_weights else None
+
+    def f(w):
+        return F.embedding_bag(indices, w, offsets, mode=mode, per_sample_weights=psw)
+
+    cotangents = torch.randn(3, 2, 4, dtype=torch.float64)
+    expected_out = torch.stack([f(w) for w in weights])
+    expected_grads = []
+    for w, c in zip(weights, cotangents):
+        leaf = w.clone().requires_grad_()
+        expected_grads.append(torch.autograd.grad((f(leaf) * c).sum(), leaf)[0])
+    expected_grads = torch.stack(expected_grads)
+    if stack == "vjp(vmap)":
+        out, vjp_fn = functx.vjp(functx.vmap(f), weights)
+        torch.testing.assert_close(out, expected_out)
+        torch.testing.assert_close(vjp_fn(cotangents)[0], expected_grads)
+    elif stack == "vmap(grad)":
+        got = functx.vmap(functx.grad(lambda w, c: (f(w) * c).sum()))(weights, cotangents)
+        torch.testing.assert_close(got, expected_grads)
+    else:
+        torch.testing.assert_close(functx.vmap(f)(weights), expected_out)

@@ -18,6 +18,7 @@ path (matmuls, softmax, dropout) that other families batch.
 import torch
 
 from ..batched_tensor import VMAP_RULES
+from ..fallback import loop_fallback
 from ..templates import batch_all_rule, materialize, pad_to_rank
 
 aten = torch.ops.aten
@@ -125,3 +126,12 @@ def _sdpa_flash_cpu_backward(
         *folded, dropout_p, is_causal, attn_mask=_fold_mask(interp, attn_mask, n), scale=scale
     )
     return _unfold_heads(interp, grads, n)
+
+
+# -- embedding_bag: the per-sample loop, with autograd --------------------------------------
+# torch's embedding_bag picks `_embedding_bag_forward_only` when its weight does not require
+# grad, which is what a BatchedTensor reports over a physical weight that a direct grad level
+# below differentiates (vjp(vmap(embedding_bag))): per sample the weight then requires grad,
+# and the forward-only op's autograd raised "Autograd not support dtype: Long". Each element
+# runs `_embedding_bag` (the same schema and outputs, with its backward).
+VMAP_RULES.set(aten._embedding_bag_forward_only.default, loop_fallback(aten._embedding_bag.default))
