@@ -17,6 +17,7 @@ import warnings
 
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch.overrides import TorchFunctionMode
 
 from ..core import pytree
 from ..core.errors import PerformanceWarning
@@ -121,6 +122,34 @@ def _warn_no_forward_formula(error, stacklevel):
     )
 
 
+class _ModeRegions(TorchFunctionMode):
+    """While the whole-function double-VJP fallback runs the user's function: whether a
+    torch call took a value the fallback differentiates while grad mode (`torch.no_grad()`)
+    or forward AD (`_set_fwd_grad_enabled(False)`) was off. Forward mode's rules for such a
+    region are not reverse mode's (no_grad stops no tangent; a forward-AD-off region stops
+    them where reverse mode does not), so the identity would give a wrong value there: a
+    jvp(jvp) of a Huber loss of `x * no_grad(x**2)` did."""
+
+    def __init__(self):
+        super().__init__()
+        self.crossed = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.crossed and not (torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()):
+            self.crossed = any(_tracked(t) for t in pytree.tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _tracked(x) -> bool:
+    """Whether `x`, or the value under its wrappers (a jvp level's primal), requires grad."""
+    while isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            return True
+        x = getattr(x, "_value", None)
+    return False
+
+
 def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
     try:
         return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform)
@@ -128,7 +157,23 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
         if NO_FORWARD_FORMULA not in str(error):
             raise
         _warn_no_forward_formula(error, stacklevel=4)
-        return _double_vjp_jvp(func, primals, flat_tangents, has_aux, api)
+        regions = _ModeRegions()
+
+        def watched(*args):
+            with regions:
+                return func(*args)
+
+        result = _double_vjp_jvp(watched, primals, flat_tangents, has_aux, api)
+        if regions.crossed:
+            raise RuntimeError(
+                f"{api}: {str(error).splitlines()[0]} functx computes such a jvp by the double-VJP "
+                f"identity (reverse mode), but the function turns off grad mode (torch.no_grad()) or "
+                f"forward AD (_set_fwd_grad_enabled(False)) around values being differentiated, where "
+                f"reverse mode's rules are not forward mode's: the result would be wrong. Move that "
+                f"region out of the function (or use .detach() for what it should stop), or avoid the "
+                f"op without a forward formula."
+            ) from error
+        return result
 
 
 def jvp_by_double_vjp(op, primals, tangents, kwargs, error):

@@ -46,6 +46,7 @@ from .wrapped_forward import NO_FORWARD_FORMULA
 _DUAL_LEVEL = 0  # functx attaches torch-level tangents at torch's one dual level
 _unpack_dual = torch._VF._unpack_dual
 _FORWARD_RULES: dict = {}
+_FORWARD_DECOMPOSITIONS: dict = {}
 _BACKEND_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradMeta", "AutogradPrivateUse1")
 
 
@@ -56,6 +57,15 @@ def register_forward_rule(op: torch._ops.OpOverload, rule: Callable) -> None:
     every other argument, and `run(*args, **kwargs)` runs the operator's own autograd kernel
     (reverse mode keeps working through the output)."""
     _FORWARD_RULES[op] = rule
+
+
+def register_forward_decomposition(op: torch._ops.OpOverload, decomposition: Callable) -> None:
+    """Where an input of `op` carries a tangent, compute `op` as `decomposition(*args,
+    **kwargs)` on the dual arguments themselves (ops whose forward formulas are right), so
+    its result's tangent, and the reverse graph of both, come from those ops; without a
+    tangent `op`'s own kernel runs. For ATen operators whose own forward formula fails
+    (ad/aten_forward_rules.py)."""
+    _FORWARD_DECOMPOSITIONS[op] = decomposition
 
 
 def _unpacked(value, part: str):
@@ -90,6 +100,9 @@ def forward_aware(op: torch._ops.OpOverload, kernel: Callable) -> Callable:
         keyword_tangent = any(_has_tangent(_unpacked(v, "tangent")) for v in kwargs.values())
         if not keyword_tangent and not any(_has_tangent(t) for t in tangents):
             return kernel(keyset, *args, **kwargs)
+        decomposition = _FORWARD_DECOMPOSITIONS.get(op)
+        if decomposition is not None:
+            return decomposition(*args, **kwargs)
         rule = _FORWARD_RULES.get(op)
         if rule is None or keyword_tangent:
             raise NotImplementedError(

@@ -85,6 +85,33 @@ def test_mse_loss_tangent_on_target_and_on_input(reduction):
             torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("stack", ["jvp(vjp(grad))", "jvp(grad(grad))", "grad(jvp(grad))"])
+def test_mse_loss_forward_over_reverse_over_reverse(stack):
+    """jvp over vjp over grad of sin(mse_loss(sin(x), t)): the reverse graph the forward
+    level differentiates must carry the tangents (a rule that gave the tangent beside the
+    operator's kernel on the primals recorded a graph that saved primals without them: a
+    wrong value, found by a 10,000-example fuzz run). Reference: autograd's third derivative
+    (create_graph)."""
+    X, y, W, V, U = _data(6)
+    x, t = W[:, 0].clone(), y[:3, 0].clone()
+    v, u = V[:, 0].clone(), U[:3, 0].clone()
+
+    def loss(a):
+        return torch.sin(F.mse_loss(torch.sin(a), t))
+
+    leaf = x.clone().requires_grad_()
+    (g1,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    (g2,) = torch.autograd.grad((g1 * u).sum(), leaf, create_graph=True)
+    (g3,) = torch.autograd.grad((g2 * v).sum(), leaf)
+    if stack == "jvp(vjp(grad))":
+        got = functx.jvp(lambda a: functx.vjp(functx.grad(loss), a)[1](u)[0], (x,), (v,))[1]
+    elif stack == "jvp(grad(grad))":
+        got = functx.jvp(functx.grad(lambda a: (functx.grad(loss)(a) * u).sum()), (x,), (v,))[1]
+    else:
+        got = functx.grad(lambda a: (functx.jvp(functx.grad(loss), (a,), (v,))[1] * u).sum())(x)
+    torch.testing.assert_close(got, g3)
+
+
 def test_mse_loss_third_order_and_plain_double_backward():
     """The rule's tangent stays differentiable (grad of jvp(grad)); plain torch double
     backward through the shadowed kernel is unchanged."""
