@@ -150,6 +150,17 @@ class DirectGradLevel(ADLevel):
         under a level on values have autograd above them: it records their BatchedTensors)."""
         return recorded_at(self, self.vmap_levels, x)
 
+    def is_own_leaf(self, x) -> bool:
+        """Whether `x` is one of this level's leaves itself (not a view of one, nor a value
+        computed from one): a detached copy it made, or the view that keeps an input the
+        caller tracks connected (its node is the level's own)."""
+        t = self.recorded(x)
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            return False
+        if t.grad_fn is None:
+            return getattr(t, "_functx_leaf_of", None) is self
+        return t.grad_fn in self._own_nodes
+
     def differentiates(self, x) -> bool:
         """Whether `x` (any tensor of the function) depends on this level's differentiated
         inputs: autograd's graph of the plain tensor under its wrappers reaches one of this

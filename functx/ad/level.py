@@ -72,6 +72,11 @@ class ADLevel(Interpreter):
     def seal(self, outputs, inputs) -> None:
         """After the function ran (nothing to do by default)."""
 
+    def is_own_leaf(self, x) -> bool:
+        """Whether `x` is one of the inputs this level differentiates, as the function got it
+        (a direct grad level's leaves; see direct_reverse.py)."""
+        return False
+
     def own(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor argument of the function that this level does not differentiate, as the
         function sees it: the function's own, so that writing a differentiated value into it

@@ -259,6 +259,17 @@ class CapturedWrites(TorchFunctionMode):
             (targets if key == "out" else values).extend(_tensors([value]))
         level = self.level
         for target in targets:
+            if level.is_own_leaf(target):
+                # torch refuses this for a leaf; a direct level's leaf for an input the
+                # caller tracks is a view of it (to stay connected), which torch lets be
+                # written, and the gradient came out with respect to the written value
+                # (vjp(vjp) with a closure over the outer input: a wrong value)
+                raise RuntimeError(
+                    f"functx.{self.transform}: {op_name(func)} writes in place into an input the "
+                    f"transform differentiates: a leaf Variable that requires grad is being used in "
+                    f"an in-place operation (torch and torch.func refuse it too). Write into a copy "
+                    f"(`x = x.clone()` first) or use the out-of-place op."
+                )
             if self._made_inside(target):
                 continue
             if any(level.differentiates(v) for v in values):

@@ -506,3 +506,29 @@ def test_a_non_differentiated_argument_still_leaves_torch(transform):
         hess = functx.hessian(f) if transform == "hessian" else functx.jacrev(functx.jacrev(f))
         torch.testing.assert_close(hess(x, y, idx), torch.diag(2 * (3 * y) ** 2 * mask))
     assert current_stack() == ()
+
+
+@pytest.mark.parametrize("case", ["caller requires grad", "vjp(vjp) with a closure", "grad(grad) with a closure"])
+def test_a_write_into_a_differentiated_input_is_refused(case):
+    """torch refuses an in-place write into a leaf that requires grad, and torch.func into
+    its level's input. A direct level's leaf for an input the caller (or an outer level)
+    tracks is a view of it, which torch lets be written: the gradient then came out with
+    respect to the written value (grad of sum(2 v) written in place as 1, not 2). Refused."""
+    x = torch.randn(3, dtype=D)
+    if case == "caller requires grad":
+        x.requires_grad_()
+        run = lambda: functx.grad(lambda v: v.mul_(2).sum())(x)  # noqa: E731
+    elif case == "vjp(vjp) with a closure":
+
+        def outer(a):
+            _, fn = functx.vjp(lambda y: torch.sin(y.mul_(2)), a * (1 + 0.5 * torch.sin(a)))
+            return fn(torch.ones(3, dtype=D))[0]
+
+        run = lambda: functx.vjp(outer, x)  # noqa: E731
+    else:
+        run = lambda: functx.grad(lambda a: functx.grad(lambda y: torch.sin(y.mul_(2)).sum())(a * a).sum())(x)  # noqa: E731
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place operation"):
+        run()
+    assert current_stack() == ()
+    # writes into a copy stay allowed, and are right
+    torch.testing.assert_close(functx.grad(lambda v: v.clone().mul_(2).sum())(x.detach()), torch.full((3,), 2.0, dtype=D))
