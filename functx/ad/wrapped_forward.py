@@ -417,6 +417,23 @@ def _vector_norm_jvp(out, values, t, kwargs):
     return torch.where(out == 0, torch.zeros_like(total), total / out)
 
 
+def _solve_jvp(out, values, a_t, kwargs):
+    """`_linalg_solve_ex(A, B, left)`'s tangent with respect to A: -A^-1 dA X (left) or
+    -X dA A^-1, by `linalg.solve`, whose derivatives are right to every order. torch's own
+    formula reuses the LU factorization the op returns, which has no derivative, so reverse
+    mode over it (vjp(jvp(solve))) came out wrong, in torch.func too."""
+    a, b = values[0], values[1]
+    left = values[2] if len(values) > 2 else kwargs.get("left", True)
+    x = out[0]
+    if left:
+        vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
+        product = (a_t @ x.unsqueeze(-1)).squeeze(-1) if vector else a_t @ x
+        tangent = -torch.linalg.solve(a, product, left=True)
+    else:
+        tangent = -torch.linalg.solve(a, x @ a_t, left=False)
+    return (tangent, None, None, None)
+
+
 def _is_real_two_norm(op, values, kwargs) -> bool:
     if op is not aten.linalg_vector_norm.default:
         return True
@@ -429,6 +446,7 @@ _EXPLICIT_JVPS = {
     aten._softmax.default: _softmax_jvp,
     aten.nll_loss_forward.default: _nll_loss_forward_jvp,
     aten.linalg_vector_norm.default: _vector_norm_jvp,
+    aten._linalg_solve_ex.default: _solve_jvp,
 }
 
 

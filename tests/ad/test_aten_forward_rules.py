@@ -275,3 +275,38 @@ def test_norms_under_third_order_stacks(seed, dim, keepdim, stack):
     else:
         got = functx.jacfwd(lambda a: (functx.jacfwd(lambda b: (functx.jacfwd(f)(b) * v).sum())(a) * v).sum())(x)
     torch.testing.assert_close(got, g3)
+
+
+@pytest.mark.parametrize("case", ["vector", "matrix", "right"])
+def test_solve_reverse_over_forward(case):
+    """vjp(jvp(linalg.solve(A(x), B))): torch's forward formula reuses the LU factorization
+    the op returns, which has no derivative, so reverse mode over it was wrong (functx and
+    torch.func alike); a wrapped jvp level computes the tangent by solve itself. Reference:
+    plain autograd (the jvp by the double-backward trick, then its gradient), and central
+    differences of the jvp."""
+    g = torch.Generator().manual_seed(7)
+    x, v = torch.randn(3, dtype=DOUBLE, generator=g), torch.randn(3, dtype=DOUBLE, generator=g)
+    B = {"vector": torch.randn(3, dtype=DOUBLE, generator=g), "matrix": torch.randn(3, 2, dtype=DOUBLE, generator=g),
+         "right": torch.randn(2, 3, dtype=DOUBLE, generator=g)}[case]
+
+    def f(a):
+        m = torch.outer(a, a) + torch.diag(torch.arange(1.0, 4.0, dtype=DOUBLE))
+        return torch.linalg.solve(m, B, left=case != "right")
+
+    cotangent = torch.randn(f(x).shape, dtype=DOUBLE, generator=g)
+    got = functx.vjp(lambda a: functx.jvp(f, (a,), (v,))[1], x)[1](cotangent)[0]
+
+    def jvp_by_autograd(a):
+        out = f(a)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        (vjp,) = torch.autograd.grad(out, a, dummy, create_graph=True)
+        (jv,) = torch.autograd.grad(vjp, dummy, v, create_graph=True)
+        return jv
+
+    leaf = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad((jvp_by_autograd(leaf) * cotangent).sum(), leaf)
+    torch.testing.assert_close(got, expected)
+    eps = 1e-6
+    scalar = lambda a: (functx.jvp(f, (a,), (v,))[1] * cotangent).sum()  # noqa: E731
+    differences = torch.stack([(scalar(x + eps * e) - scalar(x - eps * e)) / (2 * eps) for e in torch.eye(3, dtype=DOUBLE)])
+    torch.testing.assert_close(got, differences, atol=1e-6, rtol=1e-6)

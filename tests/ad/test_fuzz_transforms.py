@@ -1161,10 +1161,10 @@ KNOWN_WRONG_VALUES = {
     # (Fixed, issue 26: a NumPy-forward Function under two AD levels, an old-style Function
     # under forward over reverse; test_regression_hessian_of_numpy_function,
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
-    # test_regression_vjp_of_jvp_of_det, test_regression_vjp_of_jvp_of_solve,
-    # test_regression_vjp_of_jvp_of_grad_of_eigvalsh
-    "torch.linalg det/solve/eigvalsh under several AD levels (torch.func equally wrong)": lambda c: any(
-        _has_op(c, "linalg", kind=k) for k in ("det", "solve", "eigvalsh")
+    # test_regression_vjp_of_jvp_of_det, test_regression_vjp_of_jvp_of_grad_of_eigvalsh
+    # (solve: fixed, test_regression_vjp_of_jvp_of_solve)
+    "torch.linalg det/eigvalsh under several AD levels (torch.func equally wrong)": lambda c: any(
+        _has_op(c, "linalg", kind=k) for k in ("det", "eigvalsh")
     )
     and _ad_depth(c) >= 2,
     # (Fixed, issue 26: a write into a differentiated argument under a closure over the
@@ -1783,12 +1783,12 @@ def test_regression_chunked_jacfwd_of_grad_of_expand():
     check(Case(program, [T("jacfwd", argnums=0, chunk_size=1), T("grad", argnums=0, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch's too): reverse over forward of torch.linalg.solve")
 def test_regression_vjp_of_jvp_of_solve():
     """vjp(jvp(solve(x^T x + diag(1, 2, 3), 1))) for x of shape (3,): functx and torch.func
     agree with each other and differ from the reference (confirmed by central differences of
     central differences); hessian is right. The same class as det (torch's forward formulas,
-    differentiated in reverse)."""
+    differentiated in reverse). Fixed (issue 26): a wrapped jvp level computes solve's
+    tangent by linalg.solve itself (wrapped_forward._solve_jvp), not from the returned LU."""
     check(Case(Program([(3,)], [Op("linalg", kind="solve")]), [T("vjp", seed=0), T("jvp", seed=0)]))
 
 
