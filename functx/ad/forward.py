@@ -20,6 +20,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.overrides import TorchFunctionMode
 
 from ..core import pytree
+from ..core.custom_function import in_function_body
 from ..core.errors import PerformanceWarning
 from ..core.interpreter import functx_code, interpreting, top_interpreter
 from ..vmap import vmap
@@ -136,7 +137,7 @@ class _ModeRegions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.crossed and not (torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()):
+        if not self.crossed and not (torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and not in_function_body():
             self.crossed = any(_tracked(t) for t in pytree.tree_leaves((args, kwargs)))
         return func(*args, **kwargs)
 

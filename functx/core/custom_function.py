@@ -61,10 +61,11 @@ _function_body = threading.local()  # `depth`: Functions being applied on plain 
 
 
 class function_body:
-    """While torch runs a Function's own staticmethods for the levels that run on torch's
-    autograd and forward AD (no level tensor among its arguments): what they do is the
-    Function's, not the user's program (`jvp` may update a tangent in place, as NumpyExp_
-    does with mark_dirty), so the captured-write check (ad/lifting.CapturedWrites) lets it be."""
+    """While a Function is applied (its forward, jvp, vmap staticmethods run): what they do
+    is the Function's, not the user's program. `jvp` may update a tangent in place, as
+    NumpyExp_ does with mark_dirty, which the captured-write check (ad/lifting.CapturedWrites)
+    lets be; torch runs `forward` with grad mode off, which the double-VJP fallback's watch
+    for no_grad regions (ad/forward.py) does not count."""
 
     __slots__ = ()
 
@@ -188,7 +189,7 @@ def _apply(cls, *args, **kwargs):
     rule = _LEVEL_RULES.get(type(top))
     if rule is None:
         raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")
-    with applying_function():  # torch's forward AD off in its forward and jvp is not the user's
+    with applying_function(), function_body():  # torch's forward AD off in its forward and jvp is not the user's
         return rule(top, cls, args, kwargs)
 
 

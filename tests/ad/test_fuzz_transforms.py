@@ -1866,3 +1866,23 @@ def test_regression_jvp_of_jvp_of_a_huber_loss_of_a_no_grad_region():
         with pytest.raises(RuntimeError, match="double-VJP identity .* turns off grad mode"):
             case.run(functx)
     assert current_stack() == ()
+
+
+# Found by the second 10,000-example run (after the fixes of the first):
+def test_regression_jvp_of_chunked_vmap_of_jvp_of_a_write_into_a_buffer():
+    """jvp over vmap(in_dims=-1, chunk_size=1) over jvp of `buf = zeros(7); buf[1:] =
+    x0.reshape(-1)`: torch's forward-AD view-layout assert. The chunk of a batch along the
+    last dim is not dense, and vmap's zeros for its tangent (`_new_zeros_with_same_feature_meta`,
+    zeros_like) came out contiguous; they take the physical layout now."""
+    program = Program([(2, 3)], [Op("buf_slice"), Op("no_grad", body="pow")])
+    check(Case(program, [T("jvp", seed=0), T("vmap", in_dims=(-1,), out_dims=0, size=2, chunk_size=1), T("jvp", seed=0)]))
+
+
+def test_regression_jvp_of_vjp_of_a_function_and_a_huber_loss():
+    """jvp over vjp of `huber_loss(PlainFn.apply(x0, x0), T)`: the double-VJP fallback's watch
+    for no_grad regions counted the grad mode torch turns off inside the Function's forward
+    and refused a valid program; calls inside a Function are not counted now."""
+    program = Program([(2, 3)], [Op("function", cls="plain", j=0), Op("loss", kind="huber_loss", red="mean", seed=0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(Case(program, [T("jvp", seed=0), T("vjp", seed=0)]))

@@ -16,6 +16,13 @@ from ..batched_tensor import METADATA_RULES, VMAP_RULES, BatchedTensor
 aten = torch.ops.aten
 
 
+def _span(t: torch.Tensor) -> int:
+    """The elements of storage `t`'s layout reaches (its offset included)."""
+    if t.numel() == 0:
+        return t.storage_offset()
+    return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+
+
 def _storage_numel(t: torch.Tensor) -> int:
     """The elements of `t`'s storage. A grad or jvp level's wrapper is laid out like its value,
     but its own storage is a placeholder just long enough for that layout (a column of a 3x3
@@ -34,9 +41,11 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
     lead = x.shape[:self_num_batch_dims]
     below = interp.unwrap(other)
     if interp.is_batched(other) and not self_num_batch_dims:
-        # laid out like `other`'s physical value (in_dims=1 leaves it strided), so a view's
-        # tangent is the same view of the base's tangent
-        return interp.wrap(torch.zeros_like(below, dtype=x.dtype))
+        # laid out like `other`'s physical value (in_dims=1 leaves it strided; a chunk of a
+        # batch along a later dim is not even dense, where zeros_like would lay it out
+        # contiguously), so a view's tangent is the same view of the base's tangent
+        zeros = below.new_zeros(_span(below), dtype=x.dtype)
+        return interp.wrap(zeros.as_strided(below.shape, below.stride(), below.storage_offset()))
     if interp.is_batched(other) or self_num_batch_dims:
         shape = (interp.batch_size, *lead, *other.shape)
         return interp.wrap(below.new_zeros(shape, dtype=x.dtype))
@@ -106,6 +115,10 @@ def _has_same_storage_numel(interp, a, b):
     if interp.is_batched(a) and interp.is_batched(b):
         value_a, value_b = a._value, b._value
         if value_a.stride(0) == value_b.stride(0) and _storage_numel(value_a) == _storage_numel(value_b):
+            return True
+        # a tangent made laid out like the primal (the rule above) reaches as far into its
+        # storage as the primal does into its own: what a view of either needs
+        if value_a.stride() == value_b.stride() and _span(value_a) == _span(value_b):
             return True
     numel_a = _element_storage_numel(interp, a)
     return numel_a is not None and numel_a == _element_storage_numel(interp, b)
