@@ -417,21 +417,25 @@ def _vector_norm_jvp(out, values, t, kwargs):
     return torch.where(out == 0, torch.zeros_like(total), total / out)
 
 
-def _solve_jvp(out, values, a_t, kwargs):
-    """`_linalg_solve_ex(A, B, left)`'s tangent with respect to A: -A^-1 dA X (left) or
-    -X dA A^-1, by `linalg.solve`, whose derivatives are right to every order. torch's own
-    formula reuses the LU factorization the op returns, which has no derivative, so reverse
-    mode over it (vjp(jvp(solve))) came out wrong, in torch.func too."""
+def _solve_jvp(out, values, tangents, kwargs):
+    """`_linalg_solve_ex(A, B, left)`'s tangent: A^-1 (dB - dA X) (left) or (dB - X dA) A^-1,
+    by `linalg.solve`, whose derivatives are right to every order. torch's own formula
+    reuses the LU factorization the op returns, which has no derivative, so reverse mode over
+    it (vjp(jvp(solve)), grad(jvp(jvp(solve)))) came out wrong, in torch.func too. Takes the
+    tangents of both A and B (a jvp of a jvp gives the inner tangent's solve one of B's)."""
     a, b = values[0], values[1]
+    a_t, b_t = tangents[0], tangents[1]
     left = values[2] if len(values) > 2 else kwargs.get("left", True)
     x = out[0]
-    if left:
-        vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
-        product = (a_t @ x.unsqueeze(-1)).squeeze(-1) if vector else a_t @ x
-        tangent = -torch.linalg.solve(a, product, left=True)
-    else:
-        tangent = -torch.linalg.solve(a, x @ a_t, left=False)
-    return (tangent, None, None, None)
+    rhs = b_t
+    if a_t is not None:
+        if left:
+            vector = b.dim() == 1 or (b.dim() == a.dim() - 1 and b.shape == a.shape[:-1])
+            product = (a_t @ x.unsqueeze(-1)).squeeze(-1) if vector else a_t @ x
+        else:
+            product = x @ a_t
+        rhs = -product if rhs is None else rhs - product
+    return (torch.linalg.solve(a, rhs, left=left), None, None, None)
 
 
 def _is_real_two_norm(op, values, kwargs) -> bool:
@@ -446,7 +450,6 @@ _EXPLICIT_JVPS = {
     aten._softmax.default: _softmax_jvp,
     aten.nll_loss_forward.default: _nll_loss_forward_jvp,
     aten.linalg_vector_norm.default: _vector_norm_jvp,
-    aten._linalg_solve_ex.default: _solve_jvp,
 }
 
 
@@ -729,6 +732,11 @@ class WrappedJvpLevel(WrappedLevel):
             with self._one_level_down():
                 out = op(*values, **kwargs)
                 return DualTensor(out, matmul_jvp(out, values, tangents, kwargs), self)
+        if op is aten._linalg_solve_ex.default:  # (see _solve_jvp: both tangents)
+            with self._one_level_down():
+                out = op(*values, **kwargs)
+                out_tangent = _solve_jvp(out, values, tangents, kwargs)
+            return tuple(DualTensor(o, t, self) for o, t in zip(out, out_tangent))
         explicit = _EXPLICIT_JVPS.get(op)
         if (
             explicit is not None

@@ -1886,3 +1886,18 @@ def test_regression_jvp_of_vjp_of_a_function_and_a_huber_loss():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check(Case(program, [T("jvp", seed=0), T("vjp", seed=0)]))
+
+
+def test_regression_grad_of_jvp_of_jvp_of_solve():
+    """grad over jvp over jvp of solve(G(sin(x)), 1): wrong (torch's formula differentiated in
+    reverse, and an explicit tangent for A alone left the outer level's tangent of B to it).
+    The wrapped jvp level's solve tangent takes both A's and B's tangents."""
+    program = Program([(2, 3)], [Op("sin"), Op("linalg", kind="solve")])
+    check(Case(program, [T("grad", argnums=0, seed=0), T("jvp", seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_vjp_fn_of_vmap_of_expanded_inputs_of_jvp():
+    """vjp_fn over vmap (expanded inputs) over jvp of sin(sin(x)): "more than one element of
+    the written-to tensor refers to a single memory location" when vmap's zeros for a tangent
+    took an expanded value's layout; an expanded value gets zeros of its own."""
+    check(Case(Program([(3,)], [Op("sin"), Op("sin")]), [T("vjp_fn", argnum=0, outside=False, seed=0), T("vmap", in_dims=(0,), out_dims=0, size=2, expand=True), T("jvp", seed=0)]))

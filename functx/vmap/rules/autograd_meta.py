@@ -44,6 +44,10 @@ def _new_zeros_with_same_feature_meta(interp, x, other, self_num_batch_dims=0):
         # laid out like `other`'s physical value (in_dims=1 leaves it strided; a chunk of a
         # batch along a later dim is not even dense, where zeros_like would lay it out
         # contiguously), so a view's tangent is the same view of the base's tangent
+        # (an expanded value, whose elements share memory, gets zeros of its own: a tangent
+        # laid out like it could not hold a value per element)
+        if any(s == 0 and n > 1 for n, s in zip(below.shape, below.stride())):
+            return interp.wrap(torch.zeros_like(below, dtype=x.dtype))
         zeros = below.new_zeros(_span(below), dtype=x.dtype)
         return interp.wrap(zeros.as_strided(below.shape, below.stride(), below.storage_offset()))
     if interp.is_batched(other) or self_num_batch_dims:
