@@ -98,7 +98,7 @@ class DirectGradLevel(ADLevel):
 
     __slots__ = (
         "vmap_levels", "reaches_outside", "lifts_buffers", "over_values", "connected", "_outer",
-        "_writes", "_own_nodes",
+        "_writes", "_own_nodes", "_leaf_bases",
     )
     forward_mode = False
 
@@ -121,6 +121,7 @@ class DirectGradLevel(ADLevel):
         # graph nodes of the leaves that stay connected to an outside graph (`differentiates`)
         self._writes = None
         self._own_nodes = set()
+        self._leaf_bases = []  # the tensors those leaves view (`is_own_leaf`)
 
     def pushed(self):
         if self.over_values:
@@ -143,6 +144,7 @@ class DirectGradLevel(ADLevel):
             self._writes.__exit__(None, None, None)
             self._writes = None
         self._own_nodes = set()  # no longer needed: do not keep an outside graph alive
+        self._leaf_bases = []
 
     def recorded(self, x):
         """The tensor under `x` that torch's autograd records this level on: under the
@@ -159,7 +161,23 @@ class DirectGradLevel(ADLevel):
             return False
         if t.grad_fn is None:
             return getattr(t, "_functx_leaf_of", None) is self
-        return t.grad_fn in self._own_nodes
+        own = self._own_nodes
+        if t.grad_fn in own:
+            return True
+        # a view of a connected leaf (`v[0]`): a view of the same base whose chain of first
+        # inputs reaches the leaf's node (torch refuses views of leaves too)
+        base = t._base
+        if base is None or not any(base is b for b in self._leaf_bases):
+            return False
+        node = t.grad_fn
+        for _ in range(16):
+            functions = node.next_functions
+            if not functions or functions[0][0] is None:
+                return False
+            node = functions[0][0]
+            if node in own:
+                return True
+        return False
 
     def differentiates(self, x) -> bool:
         """Whether `x` (any tensor of the function) depends on this level's differentiated
@@ -205,6 +223,7 @@ class DirectGradLevel(ADLevel):
                 if x.requires_grad and self.prev_grad_mode:
                     leaf = x.view_as(x)  # a view keeps both the outside graph and the tangent
                     self._own_nodes.add(leaf.grad_fn)
+                    self._leaf_bases.append(leaf._base)
                     return leaf
                 leaf = primal.detach().requires_grad_()
                 leaf._functx_leaf_of = self
@@ -213,6 +232,7 @@ class DirectGradLevel(ADLevel):
             self.connected = True
             leaf = physical.view_as(physical)  # stays connected to the outside graph
             self._own_nodes.add(leaf.grad_fn)
+            self._leaf_bases.append(leaf._base)
             if expanded:  # the same value per element, up to here (vmap's unwrap_dead)
                 leaf.grad_fn.metadata[EXPANDED_LEAF_OF] = self
         else:

@@ -508,7 +508,7 @@ def test_a_non_differentiated_argument_still_leaves_torch(transform):
     assert current_stack() == ()
 
 
-@pytest.mark.parametrize("case", ["caller requires grad", "vjp(vjp) with a closure", "grad(grad) with a closure"])
+@pytest.mark.parametrize("case", ["caller requires grad", "a view, grad(grad) with a closure", "vjp(vjp) with a closure", "grad(grad) with a closure"])
 def test_a_write_into_a_differentiated_input_is_refused(case):
     """torch refuses an in-place write into a leaf that requires grad, and torch.func into
     its level's input. A direct level's leaf for an input the caller (or an outer level)
@@ -518,6 +518,9 @@ def test_a_write_into_a_differentiated_input_is_refused(case):
     if case == "caller requires grad":
         x.requires_grad_()
         run = lambda: functx.grad(lambda v: v.mul_(2).sum())(x)  # noqa: E731
+    elif case == "a view, grad(grad) with a closure":
+        inner = lambda y: (y[1:].mul_(2), torch.sin(y))[1].sum()  # noqa: E731
+        run = lambda: functx.grad(lambda a: functx.grad(inner)(a * a).sum())(x)  # noqa: E731
     elif case == "vjp(vjp) with a closure":
 
         def outer(a):
@@ -532,3 +535,21 @@ def test_a_write_into_a_differentiated_input_is_refused(case):
     assert current_stack() == ()
     # writes into a copy stay allowed, and are right
     torch.testing.assert_close(functx.grad(lambda v: v.clone().mul_(2).sum())(x.detach()), torch.full((3,), 2.0, dtype=D))
+
+
+def test_writes_into_values_computed_from_a_connected_input_stay_allowed():
+    """The leaf check is for the leaf and its views only: a value computed from it (`v * 2`)
+    and views of that value may be written, as in plain torch, with the caller's tensor
+    requiring grad (the level's leaf is then a view of it); a captured view of the caller's
+    tensor written with a constant stays allowed too."""
+    x = torch.randn(3, dtype=D, requires_grad=True)
+
+    def f(v):
+        y = v * 2
+        y[1:].mul_(3)
+        return y.sum()
+
+    torch.testing.assert_close(functx.grad(f)(x), torch.tensor([2.0, 6.0, 6.0], dtype=D))
+    buf = torch.zeros(3, dtype=D)
+    torch.testing.assert_close(functx.grad(lambda v: (buf[1:].add_(1), (v * v).sum())[1])(x), 2 * x.detach())
+    assert current_stack() == ()
