@@ -1,5 +1,15 @@
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """FUNCTX_TEST_DEVICE=cuda runs the suite with CUDA as torch's default device (tensors the
+    tests make without a device land there): scripts/gpu_check.py's CUDA pass. Unset, CPU."""
+    device = os.environ.get("FUNCTX_TEST_DEVICE")
+    if device:
+        torch.set_default_device(device)
 
 
 @pytest.fixture(autouse=True)

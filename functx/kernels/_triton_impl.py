@@ -14,7 +14,9 @@ def _gram_tile(x_ptr, b, rows, cols, length, width, stride_b, stride_t, stride_d
         base = x_ptr + b * stride_b + d[None, :] * stride_d
         left = tl.load(base + rows[:, None] * stride_t, mask=(rows[:, None] < length) & (d[None, :] < width), other=0.0)
         right = tl.load(base + cols[:, None] * stride_t, mask=(cols[:, None] < length) & (d[None, :] < width), other=0.0)
-        tile += tl.dot(left.to(ACC), tl.trans(right.to(ACC)))
+        # ieee: fp32 products in full precision, as torch's own matmuls by default (Triton's default
+        # for fp32 is TF32, a relative error of ~1e-3)
+        tile += tl.dot(left.to(ACC), tl.trans(right.to(ACC)), input_precision="ieee")
     return tile
 
 
