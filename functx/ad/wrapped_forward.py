@@ -438,6 +438,53 @@ def _solve_jvp(out, values, tangents, kwargs):
     return (torch.linalg.solve(a, rhs, left=left), None, None, None)
 
 
+def _trace_of_solve(a, t):
+    """tr(A^-1 dA), from an LU factorization of A made here, where the levels below see it:
+    torch's formulas for det and slogdet solve with the LU the op returns, which has no
+    derivative ("we never differentiate over forward AD"), so reverse mode over them
+    (vjp(jvp(det))) came out wrong, in torch.func too. A singular A is nudged as torch nudges
+    it (an exact zero pivot becomes eps): the tangent stays finite there."""
+    lu, pivots, _ = torch.linalg.lu_factor_ex(a)
+    pivot = lu.diagonal(0, -2, -1)
+    eps = torch.finfo(pivot.real.dtype if pivot.is_complex() else pivot.dtype).eps
+    lu = lu + torch.diag_embed(torch.where(pivot == 0, eps, 0.0).to(lu.dtype))
+    return torch.linalg.lu_solve(lu, pivots, t).diagonal(0, -2, -1).sum(-1)
+
+
+def _det_jvp(out, values, t, kwargs):
+    """`_linalg_det(A)`'s tangent: det(A) tr(A^-1 dA)."""
+    return (_trace_of_solve(values[0], t) * out[0], None, None)
+
+
+def _slogdet_jvp(out, values, t, kwargs):
+    """`_linalg_slogdet(A)`'s tangents: with τ = tr(A^-1 dA), d log|det| = Re τ and
+    d sign = sign · i Im τ (zero for real A)."""
+    trace = _trace_of_solve(values[0], t)
+    sign = out[0]
+    if not trace.is_complex():
+        return (None, trace, None, None)
+    return (sign * (1j * trace.imag), trace.real, None, None)
+
+
+def _eigh_jvp(out, values, t, kwargs):
+    """`_linalg_eigh(A)`'s tangents (real A, eigenvectors computed): with S = V^T dA V,
+    dL = diag(S) and dV = V (S ∘ F), F_ij = 1 / (L_j - L_i) off the diagonal, 0 on it.
+    torch's formula divides by L_j - L_i with the diagonal's zeros in it and masks the
+    result, so reverse mode over it (vjp(jvp(grad(eigvalsh)))) met 0 / 0: NaN, in torch.func
+    too. Here the diagonal is replaced before dividing: no NaN to mask."""
+    eigenvalues, eigenvectors = out
+    s = eigenvectors.mT @ t @ eigenvectors
+    gaps = eigenvalues.unsqueeze(-2) - eigenvalues.unsqueeze(-1)
+    diagonal = torch.eye(gaps.shape[-1], dtype=torch.bool, device=gaps.device)
+    inverse_gaps = torch.where(diagonal, 0.0, 1.0 / torch.where(diagonal, 1.0, gaps))
+    return s.diagonal(0, -2, -1), eigenvectors @ (s * inverse_gaps)
+
+
+def _is_real_eigh_with_vectors(values, kwargs) -> bool:
+    compute_v = values[2] if len(values) > 2 else kwargs.get("compute_v", True)
+    return compute_v and not values[0].is_complex()
+
+
 def _is_real_two_norm(op, values, kwargs) -> bool:
     if op is not aten.linalg_vector_norm.default:
         return True
@@ -450,6 +497,9 @@ _EXPLICIT_JVPS = {
     aten._softmax.default: _softmax_jvp,
     aten.nll_loss_forward.default: _nll_loss_forward_jvp,
     aten.linalg_vector_norm.default: _vector_norm_jvp,
+    aten._linalg_det.default: _det_jvp,
+    aten._linalg_slogdet.default: _slogdet_jvp,
+    aten._linalg_eigh.default: _eigh_jvp,
 }
 
 
@@ -744,6 +794,7 @@ class WrappedJvpLevel(WrappedLevel):
             and all(t is None for t in tangents[1:])
             and not (op in _SOFTMAXES and values[2])  # half_to_float: leave the dtype handling to torch
             and _is_real_two_norm(op, values, kwargs)
+            and (op is not aten._linalg_eigh.default or _is_real_eigh_with_vectors(values, kwargs))
         ):
             with self._one_level_down():  # the same: tangents by ops on the values one level down
                 out = op(*values, **kwargs)

@@ -7,7 +7,8 @@ ones at the bottom of this file came from this fuzzer).
 
 - `Program`: a function of 1 or 2 float64 tensors made of 2-6 ops (pointwise, reductions,
   views and indexing, matmul / softmax / conv1d with closed-over constants, `torch.linalg`
-  (inv, det, solve, cholesky, eigvalsh of `m^T m + diag(1, .., c)`), `torch.where`,
+  (inv, det, solve, cholesky, eigvalsh, eigh, slogdet, svdvals, matrix_exp, lu_solve,
+  cholesky_solve, pinv, qr of `m^T m + diag(1, .., c)`), `torch.where`,
   in-place writes into clones and into fresh buffers, `detach`); each op's comment is the code
   it runs. Further families, each drawn by its own test:
   - `function`: a torch.autograd.Function applied to the current value and another value
@@ -288,6 +289,15 @@ class Op:
                 "solve": (lambda g: torch.linalg.solve(g, torch.ones(c, dtype=D)), (c,)),
                 "cholesky": (torch.linalg.cholesky, (c, c)),
                 "eigvalsh": (torch.linalg.eigvalsh, (c,)),
+                # eigenvectors squared: the sign each column is returned with drops out
+                "eigh": (lambda g: torch.linalg.eigh(g)[1].square(), (c, c)),
+                "slogdet": (lambda g: torch.linalg.slogdet(g)[1], ()),
+                "svdvals": (torch.linalg.svdvals, (c,)),
+                "matrix_exp": (lambda g: torch.linalg.matrix_exp(g / (2 * c)), (c, c)),
+                "lu_solve": (lambda g: torch.linalg.lu_solve(*torch.linalg.lu_factor(g), torch.ones(c, 1, dtype=D)), (c, 1)),
+                "cholesky_solve": (lambda g: torch.cholesky_solve(torch.ones(c, 1, dtype=D), torch.linalg.cholesky(g)), (c, 1)),
+                "pinv": (torch.linalg.pinv, (c, c)),
+                "qr": (lambda g: torch.linalg.qr(g)[1], (c, c)),
             }
             op, out = ops[kind]
 
@@ -297,7 +307,15 @@ class Op:
                 # eigvalsh's higher derivatives do not exist
                 return op(m.mT @ m + torch.diag(torch.arange(1, c + 1, dtype=D)))
 
-            call = {"solve": "torch.linalg.solve(G, torch.ones(c))"}.get(kind, f"torch.linalg.{kind}(G)")
+            call = {
+                "solve": "torch.linalg.solve(G, torch.ones(c))",
+                "eigh": "torch.linalg.eigh(G)[1].square()",
+                "slogdet": "torch.linalg.slogdet(G)[1]",
+                "matrix_exp": f"torch.linalg.matrix_exp(G / {2 * c})",
+                "lu_solve": "torch.linalg.lu_solve(*torch.linalg.lu_factor(G), torch.ones(c, 1))",
+                "cholesky_solve": "torch.cholesky_solve(torch.ones(c, 1), torch.linalg.cholesky(G))",
+                "qr": "torch.linalg.qr(G)[1]",
+            }.get(kind, f"torch.linalg.{kind}(G)")
             return fn, out, f"m = {a}.reshape(-1, {c}); G = m.mT @ m + diag(1..{c}); {{out}} = {call}"
         # in-place writes into an intermediate (a clone)
         if name == "clone_mul_":
@@ -469,6 +487,9 @@ class Op:
         raise ValueError(f"unknown op {name!r}")
 
 
+LINALG_KINDS = ["inv", "det", "solve", "cholesky", "eigvalsh", "eigh", "slogdet", "svdvals", "matrix_exp",
+                "lu_solve", "cholesky_solve", "pinv", "qr"]  # fmt: skip
+
 FAMILIES = {
     "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
@@ -559,7 +580,7 @@ def draw_op(draw, names, shapes, cur):
     elif name in ("buf_copy", "buf_add", "buf_mul"):
         p["like"] = draw(st.booleans())
     elif name == "linalg":
-        p["kind"] = draw(st.sampled_from(["inv", "det", "solve", "cholesky", "eigvalsh"]))
+        p["kind"] = draw(st.sampled_from(LINALG_KINDS))
     elif name == "loss":
         p["kind"] = draw(st.sampled_from(LOSS_KINDS))
         p["red"] = draw(st.sampled_from(["mean", "sum", "none"]))
@@ -1161,12 +1182,12 @@ KNOWN_WRONG_VALUES = {
     # (Fixed, issue 26: a NumPy-forward Function under two AD levels, an old-style Function
     # under forward over reverse; test_regression_hessian_of_numpy_function,
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
-    # test_regression_vjp_of_jvp_of_det, test_regression_vjp_of_jvp_of_grad_of_eigvalsh
-    # (solve: fixed, test_regression_vjp_of_jvp_of_solve)
-    "torch.linalg det/eigvalsh under several AD levels (torch.func equally wrong)": lambda c: any(
-        _has_op(c, "linalg", kind=k) for k in ("det", "eigvalsh")
-    )
-    and _ad_depth(c) >= 2,
+    # test_regression_hessian_of_grad_of_det
+    "torch.linalg.det differentiated three times (NaN; torch.func too)": lambda c: _has_op(c, "linalg", kind="det")
+    and _ad_depth(c) >= 3,
+    # (Fixed, issue 26: torch.linalg solve, det and eigvalsh under reverse over forward;
+    # test_regression_vjp_of_jvp_of_solve, test_regression_vjp_of_jvp_of_det,
+    # test_regression_vjp_of_jvp_of_grad_of_eigvalsh.)
     # (Fixed, issue 26: a write into a differentiated argument under a closure over the
     # outer level; test_regression_vjp_of_mixed_vjp_write_into_differentiated_argument.)
 }
@@ -1270,6 +1291,14 @@ def test_fuzz_vjp_fn_in_the_stack(case):
     """Stacks with a vjp_fn: `vjp(f, *xs)[1](ct)[argnum]`, the cotangent a fixed affine map of
     one of the transform's inputs (or a constant), taken either inside (at each call) or
     outside every transform (fixed primals; the outer transforms act on the cotangent)."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES, ALL + ["vjp_fn"], must_op=["linalg"]))
+def test_fuzz_linear_algebra(case):
+    """Every program has a torch.linalg op: their forward formulas (several reuse outputs
+    with no derivative: det's and solve's LU) under reverse and nested levels."""
     check(case)
 
 
@@ -1771,12 +1800,12 @@ def test_regression_vjp_fn_of_jvp_of_jacrev_of_function():
     check(Case(FUNCTION_SIN("generated"), [T("vjp_fn", argnum=0, outside=False, seed=0), T("jvp", seed=0), T("jacrev", argnums=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch's too): reverse over forward of torch.linalg.det")
 def test_regression_vjp_of_jvp_of_det():
-    """vjp(jvp(det(x^T x + diag(1, 2, 3)))) for x of shape (3,): functx and torch.func agree
+    """vjp(jvp(det(x^T x + diag(1, 2, 3)))) for x of shape (3,): functx and torch.func agreed
     with each other, not with the reference, which central differences of central
-    differences (eps 1e-4) confirm. Both run torch's forward formula for det, whose reverse
-    derivative is wrong here (hessian and grad(jacrev) are right)."""
+    differences (eps 1e-4) confirm. Both ran torch's forward formula for det, which solves
+    with the LU the op returns (no derivative), so its reverse derivative was wrong. Fixed
+    (issue 26): a wrapped jvp level factorizes A itself (wrapped_forward._det_jvp)."""
     check(Case(Program([(3,)], [Op("linalg", kind="det")]), [T("vjp", seed=0), T("jvp", seed=0)]))
 
 
@@ -1821,11 +1850,22 @@ def test_regression_jacfwd_of_grad_write_into_reduction_result():
     check(Case(program, [T("jacfwd", argnums=0), T("grad", argnums=1, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch's too): NaN from eigvalsh under vjp(jvp(grad))")
+@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
+def test_regression_hessian_of_grad_of_det():
+    """hessian(grad(sin(det(x^T x + diag(1, 2, 3))))): NaN in functx and torch.func; the
+    reference (reverse mode three times) is finite. torch's det backward, differentiable
+    under grad mode, computes an SVD branch for singular inputs beside the solve and selects
+    with `where`; the forward formulas over the unselected branch are not finite."""
+    program = Program([(3,)], [Op("linalg", kind="det"), Op("sin")])
+    check(Case(program, [T("hessian", argnums=0, seed=0), T("grad", argnums=0, seed=0)]))
+
+
 def test_regression_vjp_of_jvp_of_grad_of_eigvalsh():
     """vjp(jvp(grad(eigvalsh(x^T x + diag(1, 2, 3))))) (distinct eigenvalues): functx and
-    torch.func give NaN; the reference is finite and agrees with central differences of its
-    outer level. vjp(jvp) and jvp(grad) are right."""
+    torch.func gave NaN; the reference is finite and agrees with central differences of its
+    outer level. torch's eigh tangent divides by the eigenvalue gaps with the diagonal's
+    zeros in them and masks the result: 0 / 0 in reverse. Fixed (issue 26): a wrapped jvp
+    level's eigh tangent replaces the diagonal before dividing (wrapped_forward._eigh_jvp)."""
     program = Program([(3,)], [Op("linalg", kind="eigvalsh")])
     check(Case(program, [T("vjp", seed=0), T("jvp", seed=0), T("grad", argnums=0, seed=0)]))
 
