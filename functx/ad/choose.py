@@ -94,7 +94,11 @@ def _vjp_over_values(stack, differentiated) -> bool:
     each is a vmap level with no AD level of its own (then torch records on its
     BatchedTensors, `VmapInterpreter.ad_above`: a vjp of shared primals inside vmap, a
     Gauss-Newton product) or a direct level on values. Its `vjp_fn` can be called later
-    under any levels, as the outermost vjp's can: a backward on the values themselves."""
+    under any levels, as the outermost vjp's can: a backward on the values themselves.
+    jacrev takes it too (its vmap over the vjp_fn is such a later call): inside a jvp on
+    values, `jvp(jacrev(f))` is then torch's forward AD over torch's autograd, as plain
+    torch; through a wrapped level, the third derivative of det met a NaN tangent of an
+    SVD branch torch's det backward computes and does not select."""
     for level in stack:
         if not (_on_values(level) or type(level) is VmapInterpreter and level.direct_ad is None):
             return False
@@ -137,7 +141,7 @@ def choose_level(transform: str, differentiated):
             return DirectGradLevel(())
         if transform == "grad" and _over_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
-        if transform == "vjp" and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
+        if transform in ("vjp", "jacrev") and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
         if transform != "vjp":
             vmap_levels = vmap_levels_on_top(stack, _outermost_direct_grad, differentiated)

@@ -410,7 +410,12 @@ def _reaches_outside(outputs, leaves, level=None) -> bool:
 def without_own_graph(x):
     """A plain result whose autograd graph was recorded only for the forward-mode tangents
     riding on it (`ADLevel.under_forward`): detached, its tangent kept (detached too).
-    Wrappers are left as they are (detaching one would stop every level)."""
+    Under vmap levels with no AD level of their own (a vjp_fn called inside vmap: jacrev,
+    `vmap(vjp_fn)`) the plain tensor under the wrappers, rewrapped; other wrappers are left
+    as they are (detaching one would stop every level)."""
+    if type(x) is BatchedTensor and x._interp.direct_ad is None:
+        inner = without_own_graph(x._value)
+        return x if inner is x._value else BatchedTensor(inner, x._interp)
     if type(x) is not torch.Tensor or not x.requires_grad:
         return x
     tangent = _unpack_dual(x, _DUAL_LEVEL)[1]

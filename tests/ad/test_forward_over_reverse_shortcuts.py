@@ -62,6 +62,10 @@ STACKS = {
     "jvp(jacrev) row": lambda f, P, T: functx.jvp(
         lambda a, b, u: tuple(torch.tensordot(u, j, dims=1) for j in functx.jacrev(f, argnums=(0, 1))(a, b)), P, T
     )[1],
+    # a vjp_fn called under vmap inside the jvp (its results under vmap's wrappers)
+    "jvp(vmap(vjp_fn))": lambda f, P, T: functx.jvp(
+        lambda a, b, u: tuple(r[1] for r in functx.vmap(functx.vjp(f, a, b)[1])(torch.stack([-u, u]))), P, T
+    )[1],
     "vmap(jvp(vjp))": lambda f, P, T: tuple(
         r[0]
         for r in functx.vmap(lambda a, b, u: functx.jvp(lambda a, b, u: functx.vjp(f, a, b)[1](u), (a, b, u), T)[1])(
