@@ -83,8 +83,11 @@ class ADLevel(Interpreter):
         (`y.copy_(x)` with argnums=0) is a valid program, as in torch.func (which wraps
         every argument at the level). A direct level has no wrappers: the tensor is marked
         made inside for the captured-write check (lifting.CapturedWrites), and torch records
-        the write as plain torch does."""
+        the write as plain torch does. A view's base is marked too: the check looks at the
+        base, and under a jvp on values every input is a view (a dual of its primal)."""
         mark_made_at(x, self.level)
+        if x._base is not None:
+            mark_made_at(x._base, self.level)
         return x
 
     def export(self, tree):

@@ -398,6 +398,20 @@ def _softmax_jvp(out, values, t, kwargs):
     return out * (t - (out * t).sum(dim, keepdim=True))
 
 
+def _logsumexp_jvp(out, values, t, kwargs):
+    """Σ softmax(x) t over the reduced dims: torch's `logsumexp_jvp` writes into the exp it
+    saved, which a reverse level below (the caller's autograd, a grad outside) then finds
+    modified ("modified by an inplace operation"; plain torch fails the same way)."""
+    x = values[0]
+    dims = values[1] if len(values) > 1 else kwargs.get("dim")
+    keepdim = values[2] if len(values) > 2 else kwargs.get("keepdim", False)
+    if x.dim() == 0:
+        return t
+    dims = [d % x.dim() for d in dims] if dims else list(range(x.dim()))
+    weights = torch.exp(x - (out if keepdim else out.reshape([1 if i in dims else n for i, n in enumerate(x.shape)])))
+    return (weights * t).sum(dims, keepdim=keepdim)
+
+
 def _nll_loss_forward_jvp(out, values, t, kwargs):
     # linear in `self`: the loss of the tangent; `total_weight` does not depend on `self`
     return aten.nll_loss_forward.default(t, *values[1:], **kwargs)[0], None
@@ -496,6 +510,7 @@ _EXPLICIT_JVPS = {
     aten._log_softmax.default: _log_softmax_jvp,
     aten._softmax.default: _softmax_jvp,
     aten.nll_loss_forward.default: _nll_loss_forward_jvp,
+    aten.logsumexp.default: _logsumexp_jvp,
     aten.linalg_vector_norm.default: _vector_norm_jvp,
     aten._linalg_det.default: _det_jvp,
     aten._linalg_slogdet.default: _slogdet_jvp,
@@ -816,7 +831,15 @@ class WrappedJvpLevel(WrappedLevel):
     def _on_plain_duals(self, op, values, tangents, kwargs):
         for i, tangent in enumerate(tangents):
             if tangent is not None:
-                values[i] = _make_dual(values[i], tangent, _DUAL_LEVEL)
+                value = values[i]
+                if 0 in value.stride() and _overlaps(value):
+                    # an expanded primal: where torch finds its tangent laid out otherwise
+                    # (other strides, or another storage size: a reduction's 0-dim result
+                    # expanded) it copies the tangent into the primal's layout, where elements
+                    # share memory, and raises. The op reads the primal only: a copy of it,
+                    # as `dual` makes for the function's inputs
+                    value = value.clone()
+                values[i] = _make_dual(value, tangent, _DUAL_LEVEL)
         out = op(*values, **kwargs)
         if isinstance(out, torch.Tensor):
             primal, tangent = _unpack_dual(out, _DUAL_LEVEL)

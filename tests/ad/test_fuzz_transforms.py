@@ -6,7 +6,8 @@ as code that runs: paste a falsifying example into `check(...)` to get a regress
 ones at the bottom of this file came from this fuzzer).
 
 - `Program`: a function of 1 or 2 float64 tensors made of 2-6 ops (pointwise, reductions,
-  views and indexing, matmul / softmax / conv1d with closed-over constants, `torch.linalg`
+  views and indexing, matmul / softmax / conv1d with closed-over constants, the Gram product
+  `mm(m.mT, m)` of a value with itself, `torch.linalg`
   (inv, det, solve, cholesky, eigvalsh, eigh, slogdet, svdvals, matrix_exp, lu_solve,
   cholesky_solve, pinv, qr of `m^T m + diag(1, .., c)`), `torch.where`,
   in-place writes into clones and into fresh buffers, `detach`); each op's comment is the code
@@ -257,6 +258,9 @@ class Op:
         if name == "matmul":
             m = const(p["seed"], (s[-1], p["k"]))
             return (lambda vals: vals[cur] @ m), s[:-1] + (p["k"],), f"{a} @ M{[s[-1], p['k']]}"
+        if name == "gram":  # a product of two differentiated operands (an outer product for one row)
+            c = s[-1]
+            return (lambda vals: torch.mm(vals[cur].reshape(-1, c).mT, vals[cur].reshape(-1, c))), (c, c), f"torch.mm({a}.reshape(-1, {c}).mT, {a}.reshape(-1, {c}))"
         if name == "softmax":
             return (lambda vals: vals[cur].softmax(-1)), s, f"{a}.softmax(-1)"
         if name == "loss":  # a loss against a constant target (torch's fused loss kernels and
@@ -494,7 +498,7 @@ FAMILIES = {
     "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
-    "nn": ["matmul", "softmax", "conv1d", "linalg", "loss"],
+    "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss"],
     "inplace": ["clone_mul_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
     "detach": ["detach_mul", "detach_add"],
     "function": ["function"],
@@ -514,6 +518,8 @@ def _applicable(name, s):
         return False  # drawn by `programs` at position 0 only
     if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem", "linalg"):
         return nd >= 1
+    if name == "gram":
+        return nd >= 1 and s[-1] ** 2 <= MAX_NUMEL
     if name == "transpose":
         return nd >= 2
     if name == "slice":
@@ -881,16 +887,21 @@ def stacks(draw, program, kinds, must=None, depth=(1, 3)):
 
 class Case:
     """`expand`: the program's inputs are expanded (stride 0 along their last dim, every
-    element of a row equal) instead of contiguous."""
+    element of a row equal) instead of contiguous. `caller`: the inputs are leaves that
+    require grad, and the value compared is the stack's output followed by the gradient of
+    a fixed weighting of it w.r.t. those leaves by plain `torch.autograd.grad` (the caller's
+    autograd through the whole stack: a result must stay connected to the caller's graph)."""
 
-    def __init__(self, program, stack, seed=0, expand=False):
+    def __init__(self, program, stack, seed=0, expand=False, caller=False):
         self.program, self.stack, self.seed, self.expand = program, list(stack), seed, expand
+        self.caller = caller
 
     def __repr__(self):
         program = repr(self.program).replace("\n", "\n    ")
         stack = ",\n".join(f"        {t!r}" for t in self.stack)
         expand = "    expand=True,\n" if self.expand else ""
-        return f"Case(\n    {program},\n    [  # outermost first\n{stack},\n    ],\n    seed={self.seed},\n{expand})"
+        caller = "    caller=True,\n" if self.caller else ""
+        return f"Case(\n    {program},\n    [  # outermost first\n{stack},\n    ],\n    seed={self.seed},\n{expand}{caller})"
 
     def inputs(self):
         g = torch.Generator().manual_seed(self.seed)
@@ -911,16 +922,30 @@ class Case:
         regions = {r: region_semantics(r, kinds) for r in ("no_grad", "no_fwd") if any(o.name == r for o in self.program.ops)}
         _RUN.regions = regions
         try:
-            return self.build(lib)(*self.inputs())
+            if not self.caller:
+                return self.build(lib)(*self.inputs())
+            return self._run_under_the_callers_autograd(lib)
         finally:
             _RUN.lib, _RUN.regions = saved
+
+    def _run_under_the_callers_autograd(self, lib):
+        g = torch.Generator().manual_seed(self.seed + 1)
+        leaves = [torch.randn(s[:-1] + (1,) if self.expand else s, dtype=D, generator=g).requires_grad_() for s in self.program.inputs]
+        inputs = [x.expand(s) if self.expand else x for x, s in zip(leaves, self.program.inputs)]
+        out = self.build(lib)(*inputs)
+        weights = torch.randn(out.shape, dtype=D, generator=g)
+        if out.requires_grad:
+            grads = torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True, materialize_grads=True)
+        else:  # independent of the inputs (a constant Hessian): zero gradients
+            grads = [torch.zeros_like(x) for x in leaves]
+        return torch.cat([out.detach().flatten(), *(gr.detach().flatten() for gr in grads)])
 
     def batch_size_at_least(self, size):
         """The same case with every vmap of at least `size` elements. torch.func lets some
         in-place writes of a batched value into an unbatched tensor through when the batch has
         one element (the shapes broadcast); functx raises whatever the size."""
         stack = [T(t.kind, **{**t.params, "size": max(size, t.params["size"])}) if t.kind == "vmap" else t for t in self.stack]
-        return Case(self.program, stack, self.seed, self.expand)
+        return Case(self.program, stack, self.seed, self.expand, self.caller)
 
 
 @st.composite
@@ -1111,7 +1136,7 @@ ALLOWED_ERRORS = [
     # `oldstyle`); torch.func raises the same (and refuses `oldstyle` everywhere).
     re.compile(r"does not have vmap support"),
     re.compile(r"must implement either the backward or vjp method"),
-    re.compile(r"has no jvp staticmethod|must implement the jvp function"),
+    _NO_JVP := re.compile(r"has no jvp staticmethod|must implement the jvp function"),
     # in-place writes into the program's arguments (`arg_write`): a differentiated value
     # written into an argument the level does not differentiate (torch.func: "would mutate a
     # captured Tensor"), into a differentiated leaf, or into an expanded input.
@@ -1162,6 +1187,12 @@ KNOWN_GAPS = [
     (
         re.compile(r"more than one element of the written-to tensor refers to a single memory location"),
         lambda c: _has_op(c, "expand") and _has_op(c, "function", cls="numpy"),
+    ),
+    # test_regression_callers_grad_of_jacrev_of_jvp_of_jacrev:
+    # (a rows vmap of jacrev or hessian under another AD level, the caller's backward after)
+    (
+        re.compile(r"created inside a functx.vmap was used after that vmap returned"),
+        lambda c: c.caller and any(k in ("jacrev", "hessian") for k in _kinds(c)) and _ad_depth(c) >= 2,
     ),
 ]
 
@@ -1226,6 +1257,12 @@ def check(case, lib=functx, rtol=RTOL, atol=ATOL):
         actual = case.run(lib)
     except Exception as error:
         assert current_stack() == (), f"functx left its interpreter stack dirty after raising {error!r}"
+        if _NO_JVP.search(str(error)) and _has_function(case, "nojvp", "oldstyle"):
+            # refused by design under forward mode; torch.func's tangent there is silently
+            # wrong in general, and right only by chance (`F.apply(x) - F.apply(x)`)
+            if fuzzing:
+                event("allowed functx error")
+            return
         if any(p.search(str(error)) for p in ALLOWED_ERRORS) and _torch_func_fails(case):
             if fuzzing:
                 event("allowed functx error")
@@ -1303,6 +1340,16 @@ def test_fuzz_linear_algebra(case):
 
 
 @FUZZ
+@given(cases(PURE_FAMILIES + ["function"], ALL + ["vjp_fn"]))
+def test_fuzz_under_the_callers_autograd(case):
+    """The inputs require grad and plain torch.autograd differentiates the stack's output
+    (`Case.caller`): a result must stay connected to the caller's graph (a gradient
+    penalty, a meta-gradient through per-sample Hessians). vmap(jacrev) of `mm(col, row)`
+    lost it, silently (the caller's gradient missed the term), until this test found it."""
+    check(Case(case.program, case.stack, case.seed, case.expand, caller=True))
+
+
+@FUZZ
 @given(cases(PURE_FAMILIES + ["factory", "reduce_write", "arg_write"], ALL, must_op=FAMILIES["factory"] + ["reduce_write"]))
 def test_fuzz_factories_and_writes(case):
     """Programs with factories and tensors from data (`torch.arange`, `torch.tensor`,
@@ -1369,7 +1416,10 @@ def test_fuzz_two_threads(first, second):
 @given(cases(PURE_FAMILIES + ["inplace"], ["grad", "vjp", "jvp", "jacrev", "jacfwd", "hessian"], depth=(1, 1)))
 def test_reference_matches_finite_differences(case):
     """The reference itself, at depth 1, against central differences (float64, eps 1e-6).
-    Tolerance 1e-5: the differences' truncation and rounding errors (~1e-10 |f| / eps).
+    Tolerance: atol 1e-5, rtol 1e-4: the differences' truncation and rounding errors
+    (~1e-10 |f| with |f| the function's own size, which a derivative of a few hundred can
+    reach 1e5 through exp(det): 1.4e-5 relative at 3,000 examples); a wrong reference is
+    off by O(1).
     No detach here: differences see through it. An amax of expanded inputs is taken at a
     tie (equal elements), where it has no derivative for differences to find."""
     assume(not (case.expand and any(op.name == "amax" for op in case.program.ops)))
@@ -1377,7 +1427,7 @@ def test_reference_matches_finite_differences(case):
     assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)
     reference = case.run(Ref).detach()
     assume(torch.isfinite(reference).all())  # 0 * inf of an overflowed chain (tanh(exp(exp(det))))
-    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference, expected, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1850,15 +1900,16 @@ def test_regression_jacfwd_of_grad_write_into_reduction_result():
     check(Case(program, [T("jacfwd", argnums=0), T("grad", argnums=1, seed=0)]))
 
 
+@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
 def test_regression_hessian_of_grad_of_det():
     """hessian(grad(sin(det(x^T x + diag(1, 2, 3))))): NaN in functx and torch.func; the
-    reference (reverse mode three times) is finite. torch's det backward, differentiable
-    under grad mode, computes an SVD branch for singular inputs beside the solve and selects
-    with `where`; differentiated again, that branch takes the SVD of an orthogonal U
-    (repeated singular values: a NaN tangent), and the zero cotangent of the unselected
-    branch times it is NaN. Fixed for this stack (issue 26): jacrev right inside a jvp on
-    values records on the values as vjp does (torch's autograd, as plain torch, which stays
-    finite); see test_regression_vjp_of_vmap_of_hessian_of_det for one that is not."""
+    reference (reverse mode three times) is finite, as plain torch's forward AD over two
+    create_graph backwards is. torch's det backward, differentiable under grad mode,
+    computes an SVD branch for singular inputs beside the solve and selects with `where`;
+    differentiated again through functx's wrapped levels, that branch takes the SVD of an
+    orthogonal U (repeated singular values: a NaN tangent), and the zero cotangent of the
+    unselected branch times it is NaN. Routing the inner jacrev to a level on values made
+    it finite but broke two other stacks (a 3,000-example run): not done."""
     program = Program([(3,)], [Op("linalg", kind="det"), Op("sin")])
     check(Case(program, [T("hessian", argnums=0, seed=0), T("grad", argnums=0, seed=0)]))
 
@@ -1898,6 +1949,60 @@ def test_regression_grad_of_jacfwd_of_a_numpy_function_of_an_expand():
     "more than one element of the written-to tensor refers to a single memory location"."""
     program = Program([(3,), (3,)], [Op("expand"), Op("function", cls="numpy", j=0), Op("binary", kind="add", j=1)])
     check(Case(program, [T("grad", argnums=0, seed=0), T("jacfwd", argnums=(0, 1))]))
+
+
+@pytest.mark.xfail(strict=True, reason="functx gap: the caller's backward through jacrev(jvp(jacrev)) meets a dead vmap level's tensor")
+def test_regression_callers_grad_of_jacrev_of_jvp_of_jacrev():
+    """The caller's torch.autograd.grad through jacrev(jvp(jacrev(tanh(sin x)))) with x
+    requiring grad (found by test_fuzz_under_the_callers_autograd): DeadLevelError, a
+    tensor of jacrev's vmap over rows saved in the graph the outer jacrev built with
+    create_graph; torch.func computes it, and jacrev(jvp(grad)), jacrev(jacrev) and
+    vmap(jvp(jacrev)) are right in functx."""
+    program = Program([(3,)], [Op("sin"), Op("tanh")])
+    check(Case(program, [T("jacrev", argnums=0), T("jvp", seed=0), T("jacrev", argnums=0)], caller=True))
+
+
+def test_regression_callers_grad_of_vmap_of_jacrev_of_an_outer_product():
+    """The caller's gradient through vmap(jacrev(mm(m.mT, m))) (x requiring grad): the
+    result did not require grad, so a loss adding it to anything else silently lost its
+    term (gradient [1, 1, 1] for torch.func's [12.4, 34.5, -12.3] in vmap(hessian) of a Gram
+    product). jacrev's backward rows applied vmap's BatchedProduct Function to the batched
+    cotangent, which recorded on vmap's wrappers: the graph did not leave the level. Found
+    by test_fuzz_under_the_callers_autograd with the Gram op."""
+    program = Program([(3,)], [Op("gram"), Op("sin")])
+    check(Case(program, [T("vmap", in_dims=(0,), out_dims=0, size=2), T("jacrev", argnums=0)], caller=True))
+    check(Case(program, [T("vmap", in_dims=(0,), out_dims=0, size=1), T("hessian", argnums=0, seed=0)], caller=True))
+
+
+def test_regression_callers_grad_of_vmap_of_jvp_of_softmax():
+    """vmap(jvp(softmax(sin x))) with x requiring grad: "modified by an inplace operation"
+    in the caller's backward (torch's softmax tangent writes into the exp it saved; plain
+    torch fails the same way, torch.func computes). A jvp under vmap over primals the
+    caller's autograd tracks now takes the wrapped level, whose softmax tangent is out of
+    place; jvp(logsumexp) the same (a wrapped level's explicit logsumexp tangent)."""
+    check(Case(Program([(3,)], [Op("sin"), Op("softmax")]), [T("vmap", in_dims=(0,), out_dims=0, size=1), T("jvp", seed=0)], caller=True))
+    check(Case(Program([(3,)], [Op("sin"), Op("logsumexp", dim=-1)]), [T("jvp", seed=0)], caller=True))
+
+
+def test_regression_grad_of_jvp_of_an_expanded_loss():
+    """grad over jvp of `sin(F.mse_loss(eigvalsh(G), T).unsqueeze(0).expand(2))` (a
+    3,000-example run): "more than one element of the written-to tensor refers to a single
+    memory location" (torch.func computes). The wrapped jvp level made a dual of the
+    expanded 0-dim loss whose tangent torch judged laid out otherwise (another storage
+    size), and torch copies such a tangent into the primal's overlapping layout. An
+    expanded primal is copied before it becomes a dual (as `dual` does for inputs)."""
+    program = Program([(3,)], [Op("linalg", kind="eigvalsh"), Op("loss", kind="mse_loss", red="mean", seed=0), Op("expand"), Op("sin")])
+    check(Case(program, [T("grad", argnums=0, seed=0), T("jvp", seed=0)]))
+
+
+def test_regression_jvp_of_grad_writing_the_differentiated_input_into_another_argument():
+    """jvp over grad(argnums=1) of `x0.add_(x1); x0 * arange / 3` (a 3,000-example run):
+    refused as a write into a captured tensor (torch.func computes; grad alone was right).
+    Under a jvp on values every input is a dual, a view of its primal, and the check looks
+    at a view's base: the grad level marked the argument as its own, not its base. Both are
+    marked now (ADLevel.own)."""
+    program = Program([(3,), (3,)], [Op("arg_write", i=0, kind="cross"), Op("arange")])
+    check(Case(program, [T("jvp", seed=0), T("grad", argnums=1, seed=0)]))
 
 
 def test_regression_chunked_jacfwd_of_inverse_of_inverse():

@@ -22,7 +22,7 @@ Three shapes of rule:
 import torch
 
 from ...core.custom_function import apply_original as _apply_original
-from ...core.level_tensor import is_physical
+from ...core.level_tensor import LevelTensor, is_physical
 from ..batched_tensor import VMAP_RULES
 from ..templates import batch_all_rule, materialize, pad_to_rank, raise_unbatched_inplace
 
@@ -197,7 +197,16 @@ class BatchedProduct(torch.autograd.Function):
         # Recorded (create_graph=True): the products again as BatchedProducts, whose
         # backward gives each element its own gradient; `_batched_product`'s one-GEMM fold
         # reads the shared matrix through element 0 only, which differentiates as element 0.
-        product = _product_node if torch.is_grad_enabled() else _batched_product
+        # A cotangent batched at a vmap level opened over this backward (jacrev's rows):
+        # plain bmm, through that level's rule, which torch records on the physical tensors;
+        # a Function applied to its wrappers would record on them, and the graph would not
+        # leave the level (vmap(jacrev(f)) of an outer product lost the caller's graph).
+        if not torch.is_grad_enabled():
+            product = _batched_product
+        elif isinstance(g, LevelTensor):
+            product = aten.bmm.default
+        else:
+            product = _product_node
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             if _column_major(a):
