@@ -1423,6 +1423,10 @@ def test_reference_matches_finite_differences(case):
     No detach here: differences see through it. An amax of expanded inputs is taken at a
     tie (equal elements), where it has no derivative for differences to find."""
     assume(not (case.expand and any(op.name == "amax" for op in case.program.ops)))
+    # the function's own size bounds the differences' rounding error (~1e-10 |f| / step):
+    # tame values only (exp of a Gram product reached 1e-3 relative error)
+    value = Case(case.program, [], case.seed, case.expand).run(Ref).detach()
+    assume(torch.isfinite(value).all() and value.abs().max() < 1e3)
     expected = case.run(FiniteDifferences).detach()
     assume(torch.isfinite(expected).all() and expected.abs().max() < 1e3)
     reference = case.run(Ref).detach()
