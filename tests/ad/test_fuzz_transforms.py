@@ -1143,6 +1143,10 @@ ALLOWED_ERRORS = [
     re.compile(r"\(a captured tensor\)"),
     re.compile(r"a leaf Variable that requires grad is being used in an in-place operation"),
     re.compile(r"more than one element of the written-to tensor refers to a single memory location"),
+    # torch's own higher-order formulas of the fused losses under the caller's autograd
+    # (mse_loss then l1_loss differentiated three times: plain torch raises the same)
+    re.compile(r"ZeroTensors are immutable"),
+    re.compile(r"which is output 0 of torch::autograd::CopySlices, is at version"),
 ]
 
 
