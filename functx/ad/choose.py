@@ -119,16 +119,19 @@ def _jvp_on_values(stack, primals, tangents) -> bool:
     return True
 
 
-def _jacrev_over_forward_values(stack, differentiated) -> bool:
-    """Whether a `jacrev` may record on its plain inputs as a vjp on values does: inside
-    forward mode on values only (`hessian` = jacfwd(jacrev), `jvp(jacrev(f))`): the stack
-    holds jvp levels on values and vmap levels with no AD level of their own, the top is a
-    jvp level, and no grad level lies below. Then jacrev's rows are torch's autograd under
-    torch's forward AD, as plain torch (hessian 1.31x -> 1.01x torch.func; through a wrapped
-    level, the third derivative of det met a NaN tangent of an SVD branch torch's det
-    backward computes and does not select). Under grad levels (a 3,000-example fuzz run):
-    inside vmap a jacrev on values lost the outer gradient, and jacrev(jacrev) on values
-    under hessian(jvp) met a dead vmap level's tensor: not there."""
+def _jacrev_on_values(stack, differentiated) -> bool:
+    """Whether a `jacrev` may record on its plain inputs as a vjp on values does: right
+    inside the outermost grad level alone (`hessian` = jacrev(jacrev)), or inside forward
+    mode on values only (`jvp(jacrev(f))`, `jacfwd(jacrev(f))`: jvp levels on values and
+    vmap levels with no AD level of their own, the top a jvp level, no grad level below).
+    Then jacrev's rows are torch's autograd over torch's autograd (or forward AD), as plain
+    torch: hessian 1.31x -> 1.00x torch.func, and the third derivative of det no longer
+    meets, through a wrapped level, the NaN tangent of an SVD branch torch's det backward
+    computes and does not select. Deeper (a 3,000-example fuzz run, with any grad level on
+    values below): inside vmap a jacrev on values lost the outer gradient, and under
+    hessian(hessian(jvp)) one met a dead vmap level's tensor: not there."""
+    if len(stack) == 1 and type(stack[0]) is DirectGradLevel and not stack[0].vmap_levels:
+        return _plain_real(differentiated)
     if type(stack[-1]) is not DirectJvpLevel or stack[-1].vmap_levels:
         return False
     for level in stack:
@@ -160,7 +163,7 @@ def choose_level(transform: str, differentiated):
             return DirectGradLevel((), over_values=True)
         if transform == "vjp" and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
-        if transform == "jacrev" and torch.is_grad_enabled() and _jacrev_over_forward_values(stack, differentiated):
+        if transform == "jacrev" and torch.is_grad_enabled() and _jacrev_on_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
         if transform != "vjp":
             vmap_levels = vmap_levels_on_top(stack, _outermost_direct_grad, differentiated)

@@ -1908,7 +1908,6 @@ def test_regression_jacfwd_of_grad_write_into_reduction_result():
     check(Case(program, [T("jacfwd", argnums=0), T("grad", argnums=1, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
 def test_regression_hessian_of_grad_of_det():
     """hessian(grad(sin(det(x^T x + diag(1, 2, 3))))): NaN in functx and torch.func; the
     reference (reverse mode three times) is finite, as plain torch's forward AD over two
@@ -1916,8 +1915,9 @@ def test_regression_hessian_of_grad_of_det():
     computes an SVD branch for singular inputs beside the solve and selects with `where`;
     differentiated again through functx's wrapped levels, that branch takes the SVD of an
     orthogonal U (repeated singular values: a NaN tangent), and the zero cotangent of the
-    unselected branch times it is NaN. Routing the inner jacrev to a level on values made
-    it finite but broke two other stacks (a 3,000-example run): not done."""
+    unselected branch times it is NaN. Fixed for this stack (issue 26): hessian's inner
+    jacrev, right inside the outermost grad level, records on the values (choose.py,
+    `_jacrev_on_values`); test_regression_vjp_of_vmap_of_hessian_of_det still is NaN."""
     program = Program([(3,)], [Op("linalg", kind="det"), Op("sin")])
     check(Case(program, [T("hessian", argnums=0, seed=0), T("grad", argnums=0, seed=0)]))
 
