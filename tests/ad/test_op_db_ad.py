@@ -76,7 +76,7 @@ CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL = (
 )
 VIEW_JVP_UNBATCHED_PRIMAL = (
     "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
-    "tangents of an op whose result is a view of an intermediate (fft.hfft*, fft.ihfft*): "
+    "tangents of an op whose result is a view of an intermediate (fft.hfft*, fft.ihfft*, fft.ifft): "
     "torch's INTERNAL ASSERT 'the output of forward differentiable view operations [must] "
     "have the tangent have the same layout as primal' inside functx's forward-mode call "
     "(torch.func passes)"
@@ -106,7 +106,8 @@ BATCH_NORM_UNBATCHED_RUNNING_STATS = (
 )
 DATA_DEPENDENT_CHECK = (
     "the op (or its backward) reads its input's values in Python (gaussian_nll_loss: "
-    "`torch.any(var < 0)`; cov: torch.equal; scatter_reduce.prod's backward): functx.vmap "
+    "`torch.any(var < 0)`; cov: torch.equal; scatter_reduce.prod's and index_reduce.prod's "
+    "backward): functx.vmap "
     "refuses the .item() on a batched tensor, as torch.func.vmap does"
 )
 RANDOMNESS_SAME_BATCHED = (
@@ -115,7 +116,8 @@ RANDOMNESS_SAME_BATCHED = (
 )
 NO_TORCH_INPLACE_DERIVATIVE = (
     "torch has no derivative for the in-place variant ('the derivative for inplace version "
-    "of asinh is not implemented'): functx.vjp/jvp raise it, as torch.func does; no reference"
+    "of asinh is not implemented'; acosh, atanh too): functx.vjp/jvp raise it, as torch.func "
+    "does; no reference"
 )
 TORCH_AS_STRIDED_SCATTER_0D = (
     "reference wrong: torch's backward of as_strided_scatter with a 0-dim view (size=(), "
@@ -133,6 +135,12 @@ CHUNKED_NONE_BACKWARD = (
     "the op's backward (an autograd.Function) uses out= ops (div(out=)) and writes in place "
     "(mul_) into a buffer it allocates: functx's second-order and vmapped forward-mode "
     "transforms refuse it (torch.func refuses the op altogether)"
+)
+
+INDEX_REDUCE_PROD_FORWARD = (
+    "torch has no forward-mode formula for index_reduce ('Trying to use forward AD with "
+    "index_reduce that does not support it'), and its backward reads values in Python, so "
+    "under vmap functx's double-VJP fallback cannot run either: functx raises torch's error"
 )
 
 VMAP_CHECKS = ("vjp_vmap", "vmap_jvp", "vmap_vjp_vjp", "vmap_jvp_vjp")  # the new checks that vmap f
@@ -176,7 +184,10 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     },
     **{
         (op, check): BATCH_NORM_UNBATCHED_RUNNING_STATS
-        for op in ("_batch_norm_with_update", "_native_batch_norm_legit", "nn.functional.batch_norm", "nn.functional.instance_norm")
+        for op in (
+            "_batch_norm_with_update", "_native_batch_norm_legit", "native_batch_norm", "nn.functional.batch_norm",
+            "nn.functional.instance_norm",
+        )
         for check in VMAP_CHECKS
     },
     **{
@@ -184,10 +195,19 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         for op in ("nn.functional.gaussian_nll_loss", "cov")
         for check in VMAP_CHECKS
     },
-    **{(op, check): RANDOMNESS_SAME_BATCHED for op in ("normal", "bernoulli", "nn.functional.rrelu") for check in VMAP_CHECKS},
+    **{("index_reduce.prod", check): DATA_DEPENDENT_CHECK for check in ("vmap_vjp_vjp", "vmap_jvp_vjp")},
+    ("index_reduce.prod", "vmap_jvp"): INDEX_REDUCE_PROD_FORWARD,
+    **{
+        (op, check): RANDOMNESS_SAME_BATCHED
+        for op in ("normal", "normal.number_mean", "bernoulli", "nn.functional.rrelu")
+        for check in VMAP_CHECKS
+    },
     **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
-    **{(op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn")},
-    **{("asinh", check): NO_TORCH_INPLACE_DERIVATIVE for check in ("vjp_inplace", "jvp_inplace")},
+    **{
+        (op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL
+        for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn", "fft.ifft")
+    },
+    **{(op, check): NO_TORCH_INPLACE_DERIVATIVE for op in ("asinh", "acosh", "atanh") for check in ("vjp_inplace", "jvp_inplace")},
     ("as_strided_scatter", "vjp_vmap"): TORCH_AS_STRIDED_SCATTER_0D,
     **{("scatter_reduce.prod", check): SCATTER_REDUCE_PROD_FORWARD for check in ("jvp_vjp", "jvp_inplace")},
     **{("scatter_reduce.prod", check): DATA_DEPENDENT_CHECK for check in ("vmap_vjp_vjp", "vmap_jvp_vjp")},
