@@ -133,13 +133,11 @@ def _jacrev_on_values(stack, differentiated) -> bool:
     hessian(hessian(jvp)) one met a dead vmap level's tensor: not there."""
     if len(stack) == 1 and type(stack[0]) is DirectGradLevel and not stack[0].vmap_levels:
         return _plain_real(differentiated)
-    if type(stack[-1]) is not DirectJvpLevel or stack[-1].vmap_levels:
+    if type(stack[-1]) is not DirectJvpLevel:
         return False
     for level in stack:
-        if type(level) is DirectJvpLevel:
-            if level.vmap_levels:
-                return False
-        elif not (type(level) is VmapInterpreter and level.direct_ad is None):
+        jvp_on_values = type(level) is DirectJvpLevel and _on_values(level)
+        if not (jvp_on_values or type(level) is VmapInterpreter and level.direct_ad is None):
             return False
     return _plain_real(differentiated)
 

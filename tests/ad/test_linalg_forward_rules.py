@@ -52,12 +52,12 @@ def _case(seed, n=3, rows=2):
 
 
 def _weighted(name, n):
-    """x -> <w, f(G(x))> with the weighting broadcast to the output's shape."""
+    """x -> <w, f(G(x))>, the weights the first elements of `w`, shaped like the output."""
     f = FUNCTIONS[name]
 
     def weighted(x, w):
         out = f(_gram(x, n))
-        return (out * w[: out.shape[0]] if out.dim() == 1 else out * w if out.dim() == 2 else out * w[0, 0]).sum()
+        return (out * w.flatten()[: out.numel()].reshape(out.shape)).sum()
 
     return weighted
 
