@@ -136,7 +136,13 @@ def recording():
         yield
 
 
-_dual_lock = threading.Lock()
+# torch has one forward-AD level for the whole process, and leaving it is what clears every
+# tangent (also those saved in the graphs of reverse levels around a jvp, which the backward
+# would otherwise unpack). So forward sections run one thread at a time: a thread holds this
+# lock from its outermost functx forward transform until the level is left, as a serial run
+# would. Shared, the level was left by whichever thread finished last, and the other
+# thread's backward met "a forward AD level with an invalid index", or a stale tangent.
+_forward_ad_owner = threading.RLock()
 _dual_users = 0  # functx forward transforms inside the dual level they (or the user) entered
 _dual_entered_by_functx = False
 
@@ -144,19 +150,18 @@ _dual_entered_by_functx = False
 @contextlib.contextmanager
 def dual_level():
     """Be inside torch's (single, process-wide) forward-AD level. The outermost functx
-    forward transform enters it and the last one to leave exits it, which clears every
-    tangent; a dual level the user entered is reused and left alone."""
+    forward transform enters it and leaves it, which clears every tangent; a dual level the
+    user entered is reused and left alone. One thread at a time (`_forward_ad_owner`)."""
     global _dual_users, _dual_entered_by_functx
-    with _dual_lock:
+    with _forward_ad_owner:
         if _dual_users == 0:
             _dual_entered_by_functx = torch.autograd.forward_ad._current_level < 0
             if _dual_entered_by_functx:
                 torch.autograd.forward_ad.enter_dual_level()
         _dual_users += 1
-    try:
-        yield
-    finally:
-        with _dual_lock:
+        try:
+            yield
+        finally:
             _dual_users -= 1
             if _dual_users == 0 and _dual_entered_by_functx:
                 torch.autograd.forward_ad.exit_dual_level()
