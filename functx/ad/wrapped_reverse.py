@@ -85,12 +85,18 @@ class WrappedGradLevel(WrappedLevel):
     def gradient(self, output, leaves):
         # Results leave as values one level down, where any graph they have belongs to the
         # levels below: gradients are always built with create_graph=True at this level.
-        with self._backward_context():
-            return autograd_grad([output], leaves, create_graph=True)
+        return self.vjp([output], leaves, [None], create_graph=True, retain_graph=None)
 
     def vjp(self, outputs, leaves, cotangents, *, create_graph, retain_graph):
+        # Only this level's wrappers can depend on its leaves: an output of a lower level
+        # (one that does not involve the differentiated input, e.g. the gradient of a linear
+        # function under hessian) contributes zero here, whatever the levels below record
+        # (its tape may be a direct grad level's, on vmap's physical values).
+        own = [(o, c) for o, c in zip(outputs, cotangents) if type(o) is GradTensor and o._interp is self]
         with self._backward_context():
-            return autograd_grad(outputs, leaves, cotangents, create_graph=create_graph, retain_graph=retain_graph)
+            return autograd_grad(
+                [o for o, _ in own], leaves, [c for _, c in own], create_graph=create_graph, retain_graph=retain_graph
+            )
 
     def _backward_context(self):
         """Over a jvp level on values, the backward's formulas on this level's wrappers run
