@@ -32,7 +32,7 @@ from ..core.level_tensor import LevelTensor
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import is_differentiated
 from .lifting import applying_below
-from .wrapped_forward import WrappedJvpLevel, make_duals
+from .wrapped_forward import WrappedJvpLevel, function_inputs, make_duals
 from .wrapped_reverse import WrappedGradLevel
 
 _unpack_dual = torch._VF._unpack_dual
@@ -199,6 +199,7 @@ def _apply_at_jvp_level(level, function, args, kwargs):
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
         raise RuntimeError(_no_jvp_message(function.__name__))
     plain = not level.over_dual_values and all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
+    primals, tangents = function_inputs(primals, tangents)
     with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
         duals = make_duals(primals, tangents, None if plain else level, level.over_dual_values)
         if plain:  # torch's own apply on the duals calls its jvp

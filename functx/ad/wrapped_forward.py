@@ -52,7 +52,7 @@ import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.dual_values import one_level_down_over_dual_values, user_forward_ad
-from ..core.interpreter import current_stack
+from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import (
     LevelTensor,
     mutated_argument,
@@ -141,8 +141,14 @@ def _views_tracked():
 
 def _overlaps(x) -> bool:
     """Whether elements of `x` share memory (an expand: a tangent laid out like it could not
-    hold a value per element); 0 is torch's "no overlap"."""
-    return x.layout == torch.strided and not isinstance(x, LevelTensor) and torch._debug_has_internal_overlap(x) != 0
+    hold a value per element); 0 is torch's "no overlap". A level's wrapper has no storage of
+    its own: there, a stride of 0 over more than one element (its strides are its value's,
+    per element)."""
+    if x.layout != torch.strided:
+        return False
+    if isinstance(x, LevelTensor):
+        return any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape))
+    return torch._debug_has_internal_overlap(x) != 0
 
 
 class DualTensor(LevelTensor):
@@ -973,6 +979,25 @@ def _plain(x) -> bool:
 def _all_plain(*groups) -> bool:
     """Whether every value of an op one level down is plain (or not a tensor)."""
     return all(_plain(x) for group in groups for x in group)
+
+
+def function_inputs(primals, tangents):
+    """A Function's differentiated inputs made ready for torch's make_dual, as the level's
+    `dual` makes the function's own: an expanded input copied (a tangent laid out like it
+    could not hold a value per element), and each tangent laid out like its input, through
+    its levels (torch's make_dual would copy a batched tangent into a layout of its own
+    making, a tensor of none of its vmap levels: zeros, or a write into shared memory).
+    (Not done for every op in `process`: an op writes into its input itself.)"""
+    primals, tangents = list(primals), list(tangents)
+    with functx_code():  # functx's own tensors: not lifted into the level applying the Function
+        for i, (p, t) in enumerate(zip(primals, tangents)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if _overlaps(p):
+                primals[i] = p = p.clone()
+            if t.layout == torch.strided and (t.stride() != p.stride() or not _levels(p) <= _levels(t)):
+                tangents[i] = _tangent_like(t, p, t)
+    return primals, tangents
 
 
 def make_duals(primals, tangents, carrier=None, every=False):
