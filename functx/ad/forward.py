@@ -30,7 +30,7 @@ from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 from . import wrapped_forward
 from .library_ops import prepare_forward_mode
-from .wrapped_forward import NO_FORWARD_FORMULA
+from .wrapped_forward import NO_FORWARD_FORMULA, WrappedJvpLevel
 
 _JVP = "jvp(f, primals, tangents)"
 
@@ -81,9 +81,11 @@ def _check_primals_tangents(primals, tangents, api):
 
 
 
-def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
+def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=False):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
-    output does not depend on the primals, output structure, aux)."""
+    output does not depend on the primals, output structure, aux). `wrapped`: at a wrapped
+    level whatever choose.py would pick (it computes an op without a forward formula by the
+    double-VJP identity on that op alone)."""
     flat_primals, primals_spec = pytree.tree_flatten(primals)
     for p in flat_primals:
         if not (p.is_floating_point() or p.is_complex()):
@@ -93,7 +95,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform):
             )
     with functx_code():
         prepare_forward_mode()
-        level = choose_level(transform, (flat_primals, flat_tangents))
+        level = WrappedJvpLevel() if wrapped else choose_level(transform, (flat_primals, flat_tangents))
     with outside_inference_mode(), dual_level(), _set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():
             duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]
@@ -165,7 +167,17 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
                 return func(*args)
 
         result = _double_vjp_jvp(watched, primals, flat_tangents, has_aux, api)
-        if regions.crossed:
+        if not regions.crossed:
+            return result
+        # The function turns grad mode or forward AD off around differentiated values, where
+        # the identity over the whole function is wrong. A wrapped level applies it to the op
+        # without a formula alone (torch's forward AD on values, a direct level, cannot);
+        # jvp(jvp) of a Huber loss of `x * no_grad(x ** 2)` computes there.
+        try:
+            return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=True)
+        except NotImplementedError as again:
+            if NO_FORWARD_FORMULA not in str(again):
+                raise
             raise RuntimeError(
                 f"{api}: {str(error).splitlines()[0]} functx computes such a jvp by the double-VJP "
                 f"identity (reverse mode), but the function turns off grad mode (torch.no_grad()) or "
@@ -173,8 +185,7 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
                 f"reverse mode's rules are not forward mode's: the result would be wrong. Move that "
                 f"region out of the function (or use .detach() for what it should stop), or avoid the "
                 f"op without a forward formula."
-            ) from error
-        return result
+            ) from again
 
 
 def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
