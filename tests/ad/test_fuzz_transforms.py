@@ -1977,7 +1977,13 @@ def test_regression_callers_grad_of_jacrev_of_jvp_of_jacrev():
     requiring grad (found by test_fuzz_under_the_callers_autograd): DeadLevelError, a
     tensor of jacrev's vmap over rows saved in the graph the outer jacrev built with
     create_graph; torch.func computes it, and jacrev(jvp(grad)), jacrev(jacrev) and
-    vmap(jvp(jacrev)) are right in functx."""
+    vmap(jvp(jacrev)) are right in functx. Traced: the jvp's forward formulas leave
+    ZeroTensor tangents (requiring grad: the caller tracks them) in the graph; in the outer
+    jacrev's backward a formula multiplies a row (a BatchedTensor of the rows vmap) by one,
+    and torch's ZeroTensor fallback answers below vmap's dispatch (it asks only for the
+    result's shape, `to("meta")`) with a *plain* zero tensor, so autograd records that mul
+    at the wrapper level, saving the row; the plain zero reaches the physical graph, and the
+    caller's backward unpacks the dead row."""
     program = Program([(3,)], [Op("sin"), Op("tanh")])
     check(Case(program, [T("jacrev", argnums=0), T("jvp", seed=0), T("jacrev", argnums=0)], caller=True))
 
