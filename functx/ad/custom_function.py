@@ -198,7 +198,12 @@ def _apply_at_jvp_level(level, function, args, kwargs):
         return level.wrap_outputs(outputs, False)
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
         raise RuntimeError(_no_jvp_message(function.__name__))
-    plain = not level.over_dual_values and all(not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in primals)
+    # torch's own apply on plain duals, unless a tangent is another level's (a vmap's
+    # BatchedTensor): torch would check the view-ness of the jvp's result on that wrapper,
+    # which is never a C++ view ("forward is returning a view but the jvp is not")
+    plain = not level.over_dual_values and all(
+        not isinstance(v, torch.Tensor) or type(v) is torch.Tensor for v in (*primals, *tangents)
+    )
     primals, tangents = function_inputs(primals, tangents)
     with _forward_grad_enabled(True):  # not inside __torch_dispatch__: nothing to restore
         duals = make_duals(primals, tangents, None if plain else level, level.over_dual_values)

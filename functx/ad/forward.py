@@ -13,6 +13,7 @@ direct level, where torch raises inside vmap's C++ calls, for the whole function
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import torch
@@ -26,6 +27,7 @@ from ..core.interpreter import functx_code, interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
 from .choose import choose_level
+from .direct_forward import DirectJvpLevel
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 from . import wrapped_forward
@@ -96,6 +98,31 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=
     with functx_code():
         prepare_forward_mode()
         level = WrappedJvpLevel() if wrapped else choose_level(transform, (flat_primals, flat_tangents))
+    if type(level) is DirectJvpLevel:
+        try:
+            return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
+        except RuntimeError as error:
+            if not _LAYOUT_CHECKS.search(str(error)):
+                raise
+        # torch's forward AD on plain primals with vmap's BatchedTensor tangents: its C++
+        # checks of a view's tangent read bits vmap's wrappers do not carry (the conj bit of
+        # `x.conj()`, materialized under vmap; a Function's view-ness), and refuse a program
+        # torch.func computes (`vmap(jvp)` of an FFT power spectrum, `X * X.conj()`, with an
+        # unbatched primal). A wrapped level makes the tangent of every view itself: run it
+        # there (the function runs again, as the double-VJP fallback below reruns it).
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=True)
+    return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
+
+
+# torch's checks that a view's tangent is laid out as its primal (or a Function's jvp returns
+# a view where its forward does): see `_forward_jvp`
+_LAYOUT_CHECKS = re.compile(
+    r"Expected the output of forward differentiable view operations to have the tangent have the same layout"
+    r"|is returning a view (?:\(or an input as-is\) )?but the jvp is not returning a view"
+)
+
+
+def _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api):
     with outside_inference_mode(), dual_level(), _set_fwd_grad_enabled(True), interpreting(level):
         with functx_code():
             duals = [level.dual(p, t) for p, t in zip(flat_primals, flat_tangents)]

@@ -87,6 +87,7 @@ _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 NO_FORWARD_FORMULA = "Trying to use forward AD with"  # torch's error for an op without one
 _SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
 _no_context = contextlib.nullcontext()
+_view_as_real = torch.ops.aten.view_as_real.default
 aten = torch.ops.aten
 
 # Ops whose forward derivative in torch cannot itself be differentiated right, so under
@@ -752,8 +753,15 @@ class WrappedJvpLevel(WrappedLevel):
         tangent = x._tangent
         if tangent is None:
             tangent = tangent_of(x)
+        value = x._value
         with self._one_level_down():
-            primal = op(x._value, *args[1:], **kwargs)
+            if op is _view_as_real and value.is_conj():
+                # The wrapper of a lazily conjugated value does not carry the conj bit itself,
+                # so torch's `real`/`imag` took it for resolved (`x.conj().real`): resolve the
+                # value, and the tangent laid out like it, here (as the grad level does)
+                value = value.resolve_conj()
+                tangent = None if tangent is None else tangent.resolve_conj()
+            primal = op(value, *args[1:], **kwargs)
             out_tangent = None if tangent is None else op(tangent, *args[1:], **kwargs)
         if type(primal) is list or type(primal) is tuple:  # `split`, `unbind`: one per piece
             if out_tangent is None:

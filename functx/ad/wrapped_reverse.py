@@ -143,16 +143,18 @@ class WrappedGradLevel(WrappedLevel):
             else a
             for a in args
         ]
-        if op is _view_as_real and values[0].is_conj():
-            # The wrapper of a lazily conjugated value does not carry the conj bit itself
-            # (copying it breaks second-order gradients of complex ops), so user-level
-            # `resolve_conj()` never reached the value: resolve it here.
-            values[0] = values[0].resolve_conj()
         kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
         # A vmap rule restores autograd for the physical values itself; restoring it here
         # too would also record the op on the BatchedTensor wrappers: a second graph nobody
         # differentiates (and its saved-tensor detaches).
         with _no_context if _lands_in_vmap(values) else _restore_autograd():
+            if op is _view_as_real and values[0].is_conj():
+                # The wrapper of a lazily conjugated value does not carry the conj bit itself
+                # (copying it breaks second-order gradients of complex ops), so user-level
+                # `resolve_conj()` never reached the value: resolve it here, where the
+                # levels below record it (resolved outside, its graph was lost: a third
+                # derivative through `x.conj().real` was wrong)
+                values[0] = values[0].resolve_conj()
             if self.over_dual_values:  # core/dual_values.py
                 with _no_context if self.prev_grad_mode else torch.no_grad():
                     out = call_at_values(op, values, kw_values, down_state())

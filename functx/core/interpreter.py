@@ -95,12 +95,26 @@ def top_interpreter() -> Interpreter | None:
     return interpreters[-1] if interpreters else None
 
 
+_first_transform_done = False
+
+
+def _first_transform():
+    """What functx changes in torch only once a transform runs (core/lazy_bits.py)."""
+    global _first_transform_done
+    from .lazy_bits import install  # here, not at import: lazy_bits imports level_tensor
+
+    install()
+    _first_transform_done = True
+
+
 @contextlib.contextmanager
 def interpreting(interpreter: Interpreter):
     """Push `interpreter` for the duration of the block; on any exit, pop it and mark it dead.
 
     The stack is restored to exactly what it was, even when the block raises.
     """
+    if not _first_transform_done:
+        _first_transform()
     modes = user_modes_see_plain_tensors()  # a user's TorchDispatchMode sees plain ops only
     interpreters = _stack.interpreters
     depth = len(interpreters)

@@ -9,7 +9,10 @@ autograd kernels `ad/library_ops.py` registers (torch.library IMPL) for operator
 before functx's import (the functional collectives), for the same reason as its entry, and
 for the ATen operators whose forward formula torch gets wrong (`ad/aten_forward_rules.py`:
 `mse_loss_backward`, shadowed from the first forward transform on; without a tangent
-torch's own kernel runs).
+torch's own kernel runs), and the kernels `core/lazy_bits.py` registers at torch's
+Conjugate and Negative keys for a few out-of-place arithmetic ops from the first transform
+on (beside a level tensor, a plain operand's lazy conjugate view is resolved where the
+levels below record it; otherwise what torch's fallback does).
 
 Example:
     >>> import functx

@@ -5,6 +5,7 @@ batched at a dim that is not outermost in memory (vmap in_dims=1: batch stride 1
 chunk of a batched primal under functx.jit (functionalization's zeros lose a storage
 offset). References: plain torch forward AD per sample (no vmap), closed forms."""
 
+import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
@@ -103,3 +104,65 @@ def test_jit_of_chunked_vmap_of_jvp_of_a_view():
     expected = torch.stack([torch.autograd.functional.jvp(lambda v: torch.exp(0.5 * F.conv1d(v.reshape(1, 1, 4), kernel, padding=1).reshape(4)), xi, torch.ones(4, dtype=D))[1] for xi in x])
     torch.testing.assert_close(g(x, s), expected)
     torch.testing.assert_close(functx.jit(g)(x, s), expected)
+
+
+# -- conjugate and negative views, and Functions returning views, under forward mode ----------
+# vmap over jvp with an unbatched primal runs torch's forward AD on the plain primal with
+# vmap's BatchedTensor tangents; torch's checks of a view's tangent read bits those wrappers
+# do not carry (a conj view is materialized under vmap), and refused these programs, which
+# torch.func computes. jacfwd (a wrapped level) took `x.conj().real` for resolved.
+SPECTRAL = {
+    "power spectrum X * conj(X)": lambda z: (torch.fft.fft(z) * torch.fft.fft(z).conj()).real,
+    "conj().real": lambda z: torch.fft.fft(z).conj().real,
+    "conj().imag": lambda z: torch.fft.fft(z).conj().imag,
+    "irfft of conj": lambda z: torch.fft.irfft(torch.fft.rfft(z).conj()),
+    "hfft": torch.fft.hfft,
+    "ihfft().real": lambda z: torch.fft.ihfft(z).real,
+    "ifft().imag": lambda z: torch.fft.ifft(z).imag,
+    "a negative view (conj * 1j)": lambda z: (torch.fft.fft(z).conj() * 1j).real,
+}
+
+
+@pytest.mark.parametrize("name", list(SPECTRAL))
+def test_forward_mode_through_conjugate_views_matches_reverse_mode_jacobian(name):
+    f = SPECTRAL[name]
+    x = torch.linspace(-1.0, 2.0, 6, dtype=D).sin()
+    expected = torch.autograd.functional.jacobian(f, x)  # plain torch, reverse mode
+    basis = torch.eye(6, dtype=D)
+    torch.testing.assert_close(functx.jacfwd(f)(x), expected)
+    columns = functx.vmap(lambda t: functx.jvp(f, (x,), (t,))[1], out_dims=1)(basis)
+    torch.testing.assert_close(columns, expected)
+    # primal batched too (the direct level over vmap's physical values)
+    xs = torch.stack([x, 2 * x])
+    rows = functx.vmap(lambda a: functx.jvp(f, (a,), (a.cos(),))[1])(xs)
+    for k in range(2):
+        torch.testing.assert_close(rows[k], torch.autograd.functional.jvp(f, xs[k], xs[k].cos())[1])
+
+
+class _SelectRow(torch.autograd.Function):
+    """A Function whose forward returns a view of its input, its jvp the same view."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, i):
+        return x[i]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.i = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        raise AssertionError("not used by forward mode")
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        return _SelectRow.apply(tx, ctx.i)
+
+
+def test_vmap_of_jvp_of_a_function_returning_a_view_with_an_unbatched_primal():
+    x, ts = torch.randn(3, 4, dtype=D), torch.randn(5, 3, 4, dtype=D)
+    got = functx.vmap(lambda t: functx.jvp(lambda a: _SelectRow.apply(a, 1) * a[0], (x,), (t,))[1])(ts)
+    expected = ts[:, 1] * x[0] + x[1] * ts[:, 0]  # product rule, by hand
+    torch.testing.assert_close(got, expected)

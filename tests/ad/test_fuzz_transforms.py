@@ -275,6 +275,19 @@ class Op:
                 s if red == "none" else (),
                 f"F.{kind}({a}, T{list(s)}, reduction={red!r})",
             )
+        if name == "spectral":  # complex intermediates of a real program: conjugate and
+            # negative views (forward mode under vmap once refused them, and jacfwd took
+            # `X.conj().real` for resolved)
+            kind, k = p["kind"], s[-1]
+            fns = {
+                "power": (lambda v: (torch.fft.fft(v) * torch.fft.fft(v).conj()).real, "(fft({a}) * fft({a}).conj()).real"),
+                "conj_real": (lambda v: torch.fft.fft(v).conj().real, "fft({a}).conj().real"),
+                "conj_imag": (lambda v: torch.fft.fft(v).conj().imag, "fft({a}).conj().imag"),
+                "irfft_conj": (lambda v: torch.fft.irfft(torch.fft.rfft(v).conj(), n=k), "irfft(rfft({a}).conj(), n={k})"),
+                "neg_view": (lambda v: (torch.fft.fft(v).conj() * 1j).real, "(fft({a}).conj() * 1j).real"),
+            }
+            fn, text = fns[kind]
+            return (lambda vals: fn(vals[cur])), s, text.format(a=a, k=k)
         if name == "conv1d":
             c, ks, pad = p["c"], p["ks"], p["pad"]
             kernel = const(p["seed"], (c, 1, ks))
@@ -498,7 +511,7 @@ FAMILIES = {
     "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
-    "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss"],
+    "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
     "inplace": ["clone_mul_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
     "detach": ["detach_mul", "detach_add"],
     "function": ["function"],
@@ -509,6 +522,7 @@ FAMILIES = {
 }
 EFFECTFUL = FAMILIES["inplace"] + FAMILIES["detach"]
 FUNCTION_KINDS = list(FUNCTIONS)
+SPECTRAL_KINDS = ["power", "conj_real", "conj_imag", "irfft_conj", "neg_view"]
 LOSS_KINDS = ["mse_loss", "smooth_l1_loss", "huber_loss", "l1_loss", "binary_cross_entropy_with_logits", "soft_margin_loss"]
 
 
@@ -516,7 +530,7 @@ def _applicable(name, s):
     nd, n = len(s), numel(s)
     if name == "arg_write":
         return False  # drawn by `programs` at position 0 only
-    if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem", "linalg"):
+    if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem", "linalg", "spectral"):
         return nd >= 1
     if name == "gram":
         return nd >= 1 and s[-1] ** 2 <= MAX_NUMEL
@@ -587,6 +601,8 @@ def draw_op(draw, names, shapes, cur):
         p["like"] = draw(st.booleans())
     elif name == "linalg":
         p["kind"] = draw(st.sampled_from(LINALG_KINDS))
+    elif name == "spectral":
+        p["kind"] = draw(st.sampled_from(SPECTRAL_KINDS))
     elif name == "loss":
         p["kind"] = draw(st.sampled_from(LOSS_KINDS))
         p["red"] = draw(st.sampled_from(["mean", "sum", "none"]))
@@ -1192,6 +1208,11 @@ KNOWN_GAPS = [
     # (Fixed, issue 26: grad over jacfwd of a Function of an expanded value raised "more than
     # one element of the written-to tensor refers to a single memory location";
     # test_regression_grad_of_jacfwd_of_a_numpy_function_of_an_expand.)
+    # test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate:
+    (
+        re.compile(r"slice_scatter does not support automatic differentiation for outputs with complex dtype"),
+        lambda c: _has_op(c, "spectral"),
+    ),
     # test_regression_callers_grad_of_jacrev_of_jvp_of_jacrev:
     # (a rows vmap of jacrev or hessian under another AD level, the caller's backward after)
     (
@@ -1213,7 +1234,19 @@ def _known_gap(case, error):
 # KNOWN_GAPS, but matched by what the case contains (a predicate on the Case, as narrow as
 # the class is known) since a wrong value has no message. Each names its xfail(strict)
 # regression test; a fuzz run that meets one records an event instead of failing.
+def _forward_over_rows_through_a_conjugate_view(case):
+    """A jvp or jacfwd with a Jacobian transform inside it, of a program with a lazy
+    conjugate view (every spectral op: `X * X.conj()`, `X.conj().real`, ...)."""
+    kinds = _kinds(case)
+    return _has_op(case, "spectral") and any(
+        k in ("jvp", "jacfwd") and any(inner in ("jacfwd", "jacrev", "hessian") for inner in kinds[i + 1 :])
+        for i, k in enumerate(kinds)
+    )
+
+
 KNOWN_WRONG_VALUES = {
+    # test_regression_jvp_of_jacfwd_of_a_power_spectrum
+    "forward mode over a Jacobian through a conjugate view (torch.func right)": _forward_over_rows_through_a_conjugate_view,
     # (Fixed, issue 26: a NumPy-forward Function under two AD levels, an old-style Function
     # under forward over reverse; test_regression_hessian_of_numpy_function,
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
@@ -1340,6 +1373,15 @@ def test_fuzz_vjp_fn_in_the_stack(case):
 def test_fuzz_linear_algebra(case):
     """Every program has a torch.linalg op: their forward formulas (several reuse outputs
     with no derivative: det's and solve's LU) under reverse and nested levels."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES, ALL + ["vjp_fn"], must_op=["spectral"]))
+def test_fuzz_complex_intermediates(case):
+    """Every program has an FFT with conjugate (and negative) views on the way back to real
+    values: torch's forward AD checks those views' tangents, which vmap's wrappers once
+    failed (tests/ad/test_forward_view_layout.py)."""
     check(case)
 
 
@@ -2110,3 +2152,37 @@ def test_regression_vjp_fn_of_vmap_of_expanded_inputs_of_jvp():
     the written-to tensor refers to a single memory location" when vmap's zeros for a tangent
     took an expanded value's layout; an expanded value gets zeros of its own."""
     check(Case(Program([(3,)], [Op("sin"), Op("sin")]), [T("vjp_fn", argnum=0, outside=False, seed=0), T("vmap", in_dims=(0,), out_dims=0, size=2, expand=True), T("jvp", seed=0)]))
+
+
+# Found when the fuzzer's programs got complex intermediates (the "spectral" ops): a silent
+# wrong value, torch.func right. A backward formula such as mul's `grad * self.conj()` makes
+# a lazy conjugate view of a plain tensor that requires grad; beside a level tensor (here
+# the BatchedTensor rows of jacrev, recorded with create_graph on vmap's physical values)
+# torch's Conjugate fallback materialized it below autograd, without a graph, before vmap's
+# rule saw it: that path of the second derivative was lost (half the Hessian of |z|^2).
+# functx/core/lazy_bits.py resolves such views with their graph.
+def test_regression_jacrev_of_jacrev_through_a_conjugate_view():
+    """jacrev(jacrev) of `(fft(x) * fft(x).conj()).real`: against plain torch's Hessian."""
+    check(Case(Program([(3,)], [Op("spectral", kind="power")]), [T("jacrev", argnums=0), T("jacrev", argnums=0)]))
+
+
+def test_regression_callers_grad_of_jacrev_through_a_conjugate_view():
+    """The caller's torch.autograd.grad through jacrev of the same power spectrum."""
+    check(Case(Program([(3,)], [Op("spectral", kind="power")]), [T("jacrev", argnums=0)], caller=True))
+
+
+@pytest.mark.xfail(strict=True, reason="functx wrong value: forward mode over a Jacobian through a lazy conjugate view")
+def test_regression_jvp_of_jacfwd_of_a_power_spectrum():
+    """jvp(jacfwd) (and jvp(hessian)) of `(fft(x) * fft(x).conj()).real`: wrong, and right
+    with `conj_physical()` in place of `conj()`, on functx before and after the fixes above
+    (found by the exhaustive depth-2 stacks over the spectral ops); torch.func right."""
+    check(Case(Program([(3,)], [Op("spectral", kind="power")]), [T("jvp", seed=0), T("jacfwd", argnums=0)]))
+
+
+@pytest.mark.xfail(strict=True, reason="functx gap: slice_scatter of a complex value under the caller's grad of hessian(hessian)")
+def test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate():
+    """The caller's grad through hessian(hessian) of a program with an FFT: "slice_scatter
+    does not support automatic differentiation for outputs with complex dtype" (the class
+    torch's OpInfo tests found, issue 27)."""
+    program = Program([(3,)], [Op("sin"), Op("spectral", kind="irfft_conj"), Op("sin")])
+    check(Case(program, [T("hessian", argnums=0), T("hessian", argnums=0)], caller=True))

@@ -68,19 +68,6 @@ TORCH_DROPS_TANGENT = (
 REFERENCE_RAISES = "torch's own double backward raises (the OpInfo claims supports_gradgrad): no reference"
 
 # causes of the failures of NEW_CHECKS (the test_ops.py compositions)
-CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL = (
-    "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
-    "tangents of an autograd.Function whose forward returns a view (x[idx]): torch raises "
-    "'forward is returning a view but the jvp is not returning a view' inside functx's "
-    "forward-mode call (torch.func passes)"
-)
-VIEW_JVP_UNBATCHED_PRIMAL = (
-    "functx error on a valid program: vmap over jvp with an unbatched primal and batched "
-    "tangents of an op whose result is a view of an intermediate (fft.hfft*, fft.ihfft*, fft.ifft): "
-    "torch's INTERNAL ASSERT 'the output of forward differentiable view operations [must] "
-    "have the tangent have the same layout as primal' inside functx's forward-mode call "
-    "(torch.func passes)"
-)
 SCATTER_REDUCE_PROD_FORWARD = (
     "torch's forward AD of scatter_reduce(reduce='prod') drops or refuses tangents: the jvp "
     "of the vjp is wrong in functx and torch.func alike (torch's double backward agrees with "
@@ -173,10 +160,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("native_layer_norm", "vjp_vjp"): REFERENCE_RAISES + " (weight=None: undefined tensor)",
     ("nn.functional.ctc_loss", "vjp_vjp"): REFERENCE_RAISES + " (_ctc_loss_backward has no derivative)",
     # NEW_CHECKS
-    **{
-        (op, "vmap_jvp"): CUSTOM_VIEW_JVP_UNBATCHED_PRIMAL
-        for op in ("SelectAutogradFunction", "SelectGenVmapAutogradFunction", "ForwardHasDefaultArgsAutogradFunction")
-    },
     **{("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_JVP for check in ("jvp", "jvp_vjp")},
     **{
         ("NumpyCubeNotComposableAutogradFunction", check): NOT_COMPOSABLE_VMAP
@@ -203,10 +186,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         for check in VMAP_CHECKS
     },
     **{("as_strided.partial_views", check): STORAGE_DEPENDENT for check in VMAP_CHECKS},
-    **{
-        (op, "vmap_jvp"): VIEW_JVP_UNBATCHED_PRIMAL
-        for op in ("fft.hfft", "fft.hfft2", "fft.hfftn", "fft.ihfft", "fft.ihfftn", "fft.ifft")
-    },
     **{(op, check): NO_TORCH_INPLACE_DERIVATIVE for op in ("asinh", "acosh", "atanh") for check in ("vjp_inplace", "jvp_inplace")},
     ("as_strided_scatter", "vjp_vmap"): TORCH_AS_STRIDED_SCATTER_0D,
     **{("scatter_reduce.prod", check): SCATTER_REDUCE_PROD_FORWARD for check in ("jvp_vjp", "jvp_inplace")},
