@@ -391,6 +391,12 @@ from tests.ad.test_fuzz_transforms import ALL, PURE_FAMILIES, cases  # noqa: E40
 from tests.staging.test_compile import COMPILE_FUZZ, eager_checked  # noqa: E402
 
 
+# torch.compile's functionalization refuses a mutation through an as_strided view; functx's
+# wrapped jvp level makes a view's tangent by as_strided of its base's tangent (laid out like
+# the primal, wrapped_forward._view_like), and a later write goes through it. Eager is right.
+AS_STRIDED_MUTATION = "where view 2 was an as_strided() call. as_strided() is non-compositional"
+
+
 @COMPILE_FUZZ
 @given(cases(PURE_FAMILIES, ALL))
 def test_fuzz_jitted_transform_stacks(case):
@@ -418,7 +424,13 @@ def test_fuzz_jitted_transform_stacks(case):
     except Exception:
         event("eager functx's gradient raises")
         return
-    got = input_grads(jitted)
+    try:
+        got = input_grads(jitted)
+    except Exception as error:
+        if AS_STRIDED_MUTATION in str(error):  # known gap: test_regression_jitted_gradient_through_a_written_tangent_view
+            event("known gap: compile refuses a write through an as_strided view of a tangent")
+            return
+        raise
     assert (got is None) == (want is None)
     for g, w in zip(got or (), want or ()):
         if w is None:
@@ -491,3 +503,23 @@ def test_under_a_users_dispatch_mode_the_function_runs_eagerly_and_still_traces_
     for _ in range(2):
         torch.testing.assert_close(jitted(w, xs), expected)
     assert jitted.traces == 1
+
+
+@pytest.mark.xfail(strict=True, reason="functx gap: compile refuses a write through an as_strided view of a tangent (the gradient through a jitted jvp(grad(grad)))")
+def test_regression_jitted_gradient_through_a_written_tangent_view():
+    """The caller's gradient through functx.jit of jvp(grad(grad(mix))) of a program with an
+    expand and svdvals (found when the fuzzer's draws shifted, pre-existing): torch.compile
+    raises "encountered a mutation on a view chain of length 3, where view 2 was an
+    as_strided() call"; eager functx computes it."""
+    from tests.ad.test_fuzz_transforms import Case, Op, Program, T
+
+    case = Case(
+        Program([(3,)], [Op("logsumexp", dim=0), Op("conv1d", c=1, pad=1, ks=2, seed=4), Op("expand"), Op("linalg", kind="svdvals")]),
+        [T("jvp", seed=2), T("grad", argnums=(0,), seed=1), T("grad", argnums=0, seed=1, mix=True)],
+        seed=464,
+    )
+    transformed = case.build(functx)
+    jitted = functx.jit(transformed)
+    inputs = [x.detach().clone().requires_grad_() for x in case.inputs()]
+    expected = torch.autograd.grad(transformed(*inputs).sum(), inputs)
+    torch.testing.assert_close(torch.autograd.grad(jitted(*inputs).sum(), inputs), expected)
