@@ -1,6 +1,7 @@
 """The dispatcher: interpreter stack, level tensors, rule tables. Imports no transform."""
 
 from . import custom_function  # noqa: F401  (installs functx's Function.apply)
+from . import lazy_bits  # noqa: F401  (its kernels, installed at the first transform)
 from .config import set_vmap_fallback, vmap_fallback
 from .errors import PerformanceWarning
 from .interpreter import Interpreter, current_stack, interpreting, top_interpreter

@@ -96,14 +96,13 @@ def top_interpreter() -> Interpreter | None:
 
 
 _first_transform_done = False
+FIRST_TRANSFORM_HOOKS: list = []  # what functx changes in torch once a transform runs (lazy_bits)
 
 
 def _first_transform():
-    """What functx changes in torch only once a transform runs (core/lazy_bits.py)."""
     global _first_transform_done
-    from .lazy_bits import install  # here, not at import: lazy_bits imports level_tensor
-
-    install()
+    for hook in FIRST_TRANSFORM_HOOKS:
+        hook()
     _first_transform_done = True
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .interpreter import FIRST_TRANSFORM_HOOKS
 from .level_tensor import LevelTensor
 
 aten = torch.ops.aten
@@ -96,8 +97,8 @@ _library = None
 
 
 def install():
-    """Register the kernels (once; at the first transform, core/interpreter.py: until then
-    plain torch keeps its own fallback, which is ~6 µs faster per call than this one)."""
+    """Register the kernels (once; at the first transform, `FIRST_TRANSFORM_HOOKS`: until
+    then plain torch keeps its own fallback, which is ~6 µs faster per call than this one)."""
     global _library
     if _library is not None:
         return
@@ -106,3 +107,6 @@ def install():
         for key in ("Conjugate", "Negative"):
             library.impl(_schema_name(op), _kernel(op), key, with_keyset=True)
     _library = library
+
+
+FIRST_TRANSFORM_HOOKS.append(install)

@@ -39,3 +39,21 @@ def test_no_module_patches_torch_outside_the_list():
     for path in ROOT.rglob("*.py"):
         for attribute in _assignments_to_torch(ast.parse(path.read_text())):
             assert attribute in listed, f"{path.relative_to(ROOT)} patches torch's {attribute}: list it in core/patches.py"
+
+
+def test_conjugate_kernels_are_installed_at_the_first_transform_only():
+    """core/lazy_bits.py leaves torch's Conjugate fallback alone until a transform runs (a
+    plain conj-view product pays ~6 µs more through its kernel), then registers once."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, functx\n"
+        "table = lambda: [l for l in torch._C._dispatch_dump_table('aten::mul.Tensor').splitlines() if l.startswith('Conjugate')][0]\n"
+        "before = table()\n"
+        "functx.grad(torch.sin)(torch.tensor(1.0)); functx.vmap(torch.sin)(torch.ones(2))\n"
+        "after = table()\n"
+        "print('backend fallback' in before, 'backend fallback' not in after)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
