@@ -22,6 +22,7 @@ from .interpreter import current_stack
 _detach = torch.ops.aten.detach.default
 _to_layout = torch.ops.aten.to.dtype_layout
 _META = torch.device("meta")
+_VIEW_AS_REAL = torch.ops.aten.view_as_real.default
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
@@ -241,6 +242,11 @@ def _dispatch_with_dead_levels(op, args, kwargs):
         # and its dead formulas' values (the jvp's plain duals) would lose their tangents.
         from .dual_values import call_at_values, down_state  # it imports this module
 
+        if op is _VIEW_AS_REAL and values[0].is_conj():
+            # a dead wrapper of a lazily conjugated value (wrappers carry no conj bit, so
+            # torch's `real` took it for resolved): resolve it here, where the levels below
+            # record it, as the grad level does (ad/wrapped_reverse.py)
+            values = (values[0].resolve_conj(),)
         out = call_at_values(op, values, kw_values, down_state())
     if dead is None:
         return out
