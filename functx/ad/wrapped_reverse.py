@@ -29,6 +29,7 @@ from ..core.level_tensor import (
     promote_for_write,
     refresh_views,
     replay_inplace_view,
+    view_as_real_resolved,
     wrapper_like,
 )
 from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
@@ -151,10 +152,10 @@ class WrappedGradLevel(WrappedLevel):
             if op is _view_as_real and values[0].is_conj():
                 # The wrapper of a lazily conjugated value does not carry the conj bit itself
                 # (copying it breaks second-order gradients of complex ops), so user-level
-                # `resolve_conj()` never reached the value: resolve it here, where the
-                # levels below record it (resolved outside, its graph was lost: a third
-                # derivative through `x.conj().real` was wrong)
-                values[0] = values[0].resolve_conj()
+                # `resolve_conj()` never reached the value: resolve it here, with the op,
+                # where the levels below record it (resolved outside, its graph was lost: a
+                # third derivative through `x.conj().real` was wrong)
+                op = view_as_real_resolved
             if self.over_dual_values:  # core/dual_values.py
                 with _no_context if self.prev_grad_mode else torch.no_grad():
                     out = call_at_values(op, values, kw_values, down_state())

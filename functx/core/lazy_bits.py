@@ -12,11 +12,12 @@ Jacobian, the path through the conjugate was dropped silently (half the Hessian 
 
 So for the out-of-place ops below (those whose Conjugate/Negative dispatch is torch's
 fallback, not a pass-through to a kernel that reads the bit), functx registers its own
-kernel at those keys, from the first transform on (`install`): beside a level tensor it resolves the plain operands' bits with the
-dispatch state of outside the op restored (so the levels below record the resolution, with
-its graph), then goes on below those keys; otherwise it does what torch's fallback does for
-an out-of-place op (resolves below autograd). Ops that pass the bit through (mm, bmm, dot,
-copy_, clone, views) keep torch's handling: their kernels read it.
+kernel at those keys, from the first transform on (`install`): beside a level tensor it
+lets the view through unresolved to the level, whose rule calls the op on the values below
+in the state they are differentiated in; there (no level tensor among the operands) it does
+what torch's fallback does for an out-of-place op, resolving below the autograd and forward
+AD that have already recorded the op with the view itself. Ops that pass the bit through
+(mm, bmm, dot, copy_, clone, views) keep torch's handling: their kernels read it.
 
     >>> import torch, functx
     >>> w = torch.tensor([1 + 2j, 3 - 1j], requires_grad=True)
@@ -36,7 +37,6 @@ from .level_tensor import LevelTensor
 
 aten = torch.ops.aten
 _CONJUGATE, _NEGATIVE = torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative
-_restore_outside = torch._C._RestorePythonTLSSnapshot
 
 # Out-of-place ops of two or more tensors (what a backward formula combines a cotangent
 # with) whose Conjugate and Negative dispatch is torch's materializing fallback.
@@ -80,9 +80,10 @@ def _kernel(op):
             # torch's fallback for an out-of-place op: the operands resolved, the op called
             # again (a Python number comes here unwrapped, which `redispatch` would refuse)
             return op(*_resolved(args), **kwargs)
-        with _restore_outside():  # recorded by the levels below, as the op's rule is
-            args = _resolved(args)
-        # on below these keys, in the dispatch state the op's rule will restore
+        # on to the level with the view as it is: its rule calls the op on the values below
+        # in the state they are differentiated in, where this kernel resolves the view under
+        # their autograd and forward AD (resolved here, a forward level on values lost the
+        # view's tangent: its state at the wrappers has forward AD off)
         return op.redispatch(keyset.remove(_CONJUGATE).remove(_NEGATIVE), *args, **kwargs)
 
     return resolve_then_go_on

@@ -23,6 +23,11 @@ _detach = torch.ops.aten.detach.default
 _to_layout = torch.ops.aten.to.dtype_layout
 _META = torch.device("meta")
 _VIEW_AS_REAL = torch.ops.aten.view_as_real.default
+
+
+def view_as_real_resolved(x):
+    """`view_as_real` of a lazily conjugated value: the conjugate resolved first."""
+    return _VIEW_AS_REAL(x.resolve_conj())
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
@@ -245,9 +250,10 @@ def _dispatch_with_dead_levels(op, args, kwargs):
         if op is _VIEW_AS_REAL and values[0].is_conj():
             # a dead wrapper of a lazily conjugated value (wrappers carry no conj bit, so
             # torch's `real` took it for resolved): resolve it here, where the levels below
-            # record it, as the grad level does (ad/wrapped_reverse.py)
-            values = (values[0].resolve_conj(),)
-        out = call_at_values(op, values, kw_values, down_state())
+            # record it (their autograd and forward AD), as the grad level does
+            out = call_at_values(view_as_real_resolved, values, kw_values, down_state())
+        else:
+            out = call_at_values(op, values, kw_values, down_state())
     if dead is None:
         return out
     mutated = mutated_argument(op)

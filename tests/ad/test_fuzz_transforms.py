@@ -1234,19 +1234,9 @@ def _known_gap(case, error):
 # KNOWN_GAPS, but matched by what the case contains (a predicate on the Case, as narrow as
 # the class is known) since a wrong value has no message. Each names its xfail(strict)
 # regression test; a fuzz run that meets one records an event instead of failing.
-def _forward_over_rows_through_a_conjugate_view(case):
-    """A jvp or jacfwd with a Jacobian transform inside it, of a program with a lazy
-    conjugate view (every spectral op: `X * X.conj()`, `X.conj().real`, ...)."""
-    kinds = _kinds(case)
-    return _has_op(case, "spectral") and any(
-        k in ("jvp", "jacfwd") and any(inner in ("jacfwd", "jacrev", "hessian") for inner in kinds[i + 1 :])
-        for i, k in enumerate(kinds)
-    )
-
-
 KNOWN_WRONG_VALUES = {
-    # test_regression_jvp_of_jacfwd_of_a_power_spectrum
-    "forward mode over a Jacobian through a conjugate view (torch.func right)": _forward_over_rows_through_a_conjugate_view,
+    # (Fixed, issue 26: forward mode over a Jacobian through a conjugate view, jvp(jacfwd)
+    # and jvp(hessian) of `X * X.conj()`; test_regression_jvp_of_jacfwd_of_a_power_spectrum.)
     # (Fixed, issue 26: a NumPy-forward Function under two AD levels, an old-style Function
     # under forward over reverse; test_regression_hessian_of_numpy_function,
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
@@ -2171,12 +2161,15 @@ def test_regression_callers_grad_of_jacrev_through_a_conjugate_view():
     check(Case(Program([(3,)], [Op("spectral", kind="power")]), [T("jacrev", argnums=0)], caller=True))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value: forward mode over a Jacobian through a lazy conjugate view")
-def test_regression_jvp_of_jacfwd_of_a_power_spectrum():
-    """jvp(jacfwd) (and jvp(hessian)) of `(fft(x) * fft(x).conj()).real`: wrong, and right
-    with `conj_physical()` in place of `conj()`, on functx before and after the fixes above
-    (found by the exhaustive depth-2 stacks over the spectral ops); torch.func right."""
-    check(Case(Program([(3,)], [Op("spectral", kind="power")]), [T("jvp", seed=0), T("jacfwd", argnums=0)]))
+@pytest.mark.parametrize("inner", ["jacfwd", "hessian"])
+@pytest.mark.parametrize("kind", ["power", "conj_real"])
+def test_regression_jvp_of_jacfwd_of_a_power_spectrum(inner, kind):
+    """jvp(jacfwd) and jvp(hessian) of `(fft(x) * fft(x).conj()).real` (and of
+    `fft(x).conj().real`) were wrong (half a term; right with `conj_physical()`; torch.func
+    right): core/lazy_bits.py resolved the conj view at the wrappers, where forward AD is
+    off, and the outer jvp on values lost its tangent. It now lets the view through to the
+    level's rule, which meets it on the values with their forward AD on."""
+    check(Case(Program([(3,)], [Op("sin"), Op("spectral", kind=kind)]), [T("jvp", seed=0), T(inner, argnums=0)]))
 
 
 @pytest.mark.xfail(strict=True, reason="functx gap: slice_scatter of a complex value under the caller's grad of hessian(hessian)")
@@ -2201,3 +2194,12 @@ def test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate
 )
 def test_regression_third_derivative_through_conj_real(stack):
     check(Case(Program([(3,)], [Op("sin"), Op("spectral", kind="conj_real"), Op("sin")]), stack))
+
+
+@pytest.mark.parametrize("kind", ["conj_real", "conj_imag"])
+def test_regression_jvp_of_hessian_through_conj_real(kind):
+    """jvp(hessian) of `sin(fft(sin x).conj().real)` (found by the exhaustive depth-2 stacks
+    over the spectral ops): the grad level's `view_as_real` of a conj value resolved it
+    outside the forward-AD state of the values, and the outer jvp lost that tangent; it is
+    now resolved with the op, in that state (ad/wrapped_reverse.py, core/level_tensor.py)."""
+    check(Case(Program([(3,)], [Op("sin"), Op("spectral", kind=kind), Op("sin")]), [T("jvp", seed=0), T("hessian", argnums=0)]))
