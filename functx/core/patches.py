@@ -11,8 +11,9 @@ for the ATen operators whose forward formula torch gets wrong (`ad/aten_forward_
 `mse_loss_backward`, shadowed from the first forward transform on; without a tangent
 torch's own kernel runs), and the kernels `core/lazy_bits.py` registers at torch's
 Conjugate and Negative keys for a few out-of-place arithmetic ops from the first transform
-on (beside a level tensor, a plain operand's lazy conjugate view is resolved where the
-levels below record it; otherwise what torch's fallback does).
+on (beside a level tensor, a plain operand's lazy conjugate view goes through to the
+level unresolved, and is resolved on the values below, in their autograd and forward-AD
+state; otherwise what torch's fallback does).
 
 Example:
     >>> import functx
