@@ -1208,11 +1208,10 @@ KNOWN_GAPS = [
     # (Fixed, issue 26: grad over jacfwd of a Function of an expanded value raised "more than
     # one element of the written-to tensor refers to a single memory location";
     # test_regression_grad_of_jacfwd_of_a_numpy_function_of_an_expand.)
-    # test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate:
-    (
-        re.compile(r"slice_scatter does not support automatic differentiation for outputs with complex dtype"),
-        lambda c: _has_op(c, "spectral"),
-    ),
+    # (Fixed, issue 27: the caller's grad through hessian(hessian) of an FFT's slicing raised
+    # "slice_scatter does not support automatic differentiation for outputs with complex
+    # dtype": vmap's slice_backward/select_backward rules scattered into zeros;
+    # test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate.)
     # test_regression_callers_grad_of_jacrev_of_jvp_of_jacrev:
     # (a rows vmap of jacrev or hessian under another AD level, the caller's backward after)
     (
@@ -2172,11 +2171,12 @@ def test_regression_jvp_of_jacfwd_of_a_power_spectrum(inner, kind):
     check(Case(Program([(3,)], [Op("sin"), Op("spectral", kind=kind)]), [T("jvp", seed=0), T(inner, argnums=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx gap: slice_scatter of a complex value under the caller's grad of hessian(hessian)")
 def test_regression_callers_grad_of_hessian_of_hessian_of_a_complex_intermediate():
     """The caller's grad through hessian(hessian) of a program with an FFT: "slice_scatter
     does not support automatic differentiation for outputs with complex dtype" (the class
-    torch's OpInfo tests found, issue 27)."""
+    torch's OpInfo tests found, issue 27; plain torch computes the four derivatives). vmap's
+    rules for slice_backward/select_backward scattered into zeros with slice_scatter /
+    select_scatter, whose derivatives refuse complex values; they now call the backward ops."""
     program = Program([(3,)], [Op("sin"), Op("spectral", kind="irfft_conj"), Op("sin")])
     check(Case(program, [T("hessian", argnums=0), T("hessian", argnums=0)], caller=True))
 

@@ -243,3 +243,28 @@ def test_backward_of_views_is_vectorized(f):
     torch.testing.assert_close(got, torch.stack([torch.func.grad(f)(s) for s in x]))
     expected = torch.stack([torch.func.grad(lambda v: f(v * w))(x[0]) for w in x[:, 0, 0]])
     torch.testing.assert_close(unbatched_input, expected)
+
+
+@pytest.mark.parametrize("index", ["select", "slice"])
+def test_backward_of_views_of_complex_values_stays_differentiable(index):
+    """vmap's select_backward / slice_backward of a batched complex gradient (jacrev's rows
+    through an FFT's indexing), differentiated again by the caller: the rules called
+    select_scatter / slice_scatter, whose derivatives refuse complex values ("does not
+    support automatic differentiation for outputs with complex dtype"). Against plain
+    torch.autograd with create_graph, row by row."""
+    pick = (lambda z: z[:, 1]) if index == "select" else (lambda z: z[:, 1:3])
+
+    def f(v):
+        z = torch.fft.fft(torch.sin(v)).reshape(2, 3)
+        return (pick(z) * pick(z).conj()).real.reshape(-1)
+
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    with functx.vmap_fallback("error"):
+        got = functx.jacrev(f)(x)
+    (got_caller,) = torch.autograd.grad(got.square().sum(), x)
+
+    out = f(x)
+    expected = torch.stack([torch.autograd.grad(o, x, create_graph=True)[0] for o in out])
+    (expected_caller,) = torch.autograd.grad(expected.square().sum(), x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_caller, expected_caller)

@@ -254,20 +254,20 @@ def _contiguous(interp, x, *, memory_format=torch.contiguous_format):
 VMAP_RULES.set(aten.contiguous.default, logical_memory_format(aten.contiguous.default, _contiguous))
 
 
-# Backward of views: scatter the (batched) gradient into zeros of the input's shape, per
-# batch element, in one op on the physical tensor (the decompositions would re-dispatch a
-# factory and a scatter through the level).
+# Backward of views: the backward op itself on the physical tensor, with the batch dim in the
+# input's shape: one op per batch (the decompositions would re-dispatch a factory and a
+# scatter through the level). Not `*_scatter` into zeros: select_scatter's and
+# slice_scatter's own derivatives refuse complex values (the caller's gradient through
+# hessian(hessian) of an FFT's slicing raised), the backward ops' take them.
 @VMAP_RULES.register(aten.select_backward.default)
 def _select_backward(interp, grad, input_sizes, dim, index):
     value = materialize(interp, grad)
     dim = normalize_dim(dim, len(input_sizes))
-    zeros = value.new_zeros((interp.batch_size, *input_sizes))
-    return interp.wrap(aten.select_scatter.default(zeros, value, dim + 1, index))
+    return interp.wrap(aten.select_backward.default(value, [interp.batch_size, *input_sizes], dim + 1, index))
 
 
 @VMAP_RULES.register(aten.slice_backward.default)
 def _slice_backward(interp, grad, input_sizes, dim, start, end, step):
     value = materialize(interp, grad)
     dim = normalize_dim(dim, len(input_sizes))
-    zeros = value.new_zeros((interp.batch_size, *input_sizes))
-    return interp.wrap(aten.slice_scatter.default(zeros, value, dim + 1, start, end, step))
+    return interp.wrap(aten.slice_backward.default(value, [interp.batch_size, *input_sizes], dim + 1, start, end, step))
