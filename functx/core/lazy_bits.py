@@ -19,6 +19,16 @@ what torch's fallback does for an out-of-place op, resolving below the autograd 
 AD that have already recorded the op with the view itself. Ops that pass the bit through
 (mm, bmm, dot, copy_, clone, views) keep torch's handling: their kernels read it.
 
+Efficient zeros (`torch._efficientzerotensor`, the tangents torch's forward AD formulas
+leave where a tangent is structurally zero) are a lazy bit too. torch's ZeroTensor kernels
+for `mul`, `div`, `linalg_cross`, `dot` and `vdot` answer from the result's shape alone,
+with a *plain* tensor, even beside a level tensor: autograd, which has recorded the op on
+the level's wrapper (saving it), then hands that plain tensor on into the graphs of the
+levels below, and the caller's backward after the transform unpacked the dead wrapper
+(jacrev(jvp(jacrev)) under the caller's grad). functx's kernels at the ZeroTensor key
+answer the same value through the level (`new_full` of the level tensor) there, and what
+torch's kernel answers elsewhere.
+
     >>> import torch, functx
     >>> w = torch.tensor([1 + 2j, 3 - 1j], requires_grad=True)
     >>> b = torch.randn(4, 2, dtype=torch.complex64)
@@ -29,6 +39,8 @@ AD that have already recorded the op with the view itself. Ops that pass the bit
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -94,6 +106,49 @@ def _schema_name(op) -> str:
     return f"{name}.{op._schema.overload_name}" if op._schema.overload_name else name
 
 
+# Ops of two tensors whose ZeroTensor kernel answers from the result's shape alone.
+ZERO_OPS = (aten.mul.Tensor, aten.div.Tensor, aten.linalg_cross.default, aten.dot.default, aten.vdot.default)
+
+
+def _is_zero(x) -> bool:
+    return isinstance(x, torch.Tensor) and x._is_zerotensor()
+
+
+def _zero_fill(op, a, b):
+    """What torch's ZeroTensor kernel of `op` fills its result with (None: an efficient
+    zero). div's: 0 / 0 is NaN, x / 0 is inf (whatever x is), 0 / x is zero."""
+    if op is aten.div.Tensor:
+        if _is_zero(a):
+            return float("nan") if _is_zero(b) else None
+        return float("inf")
+    return None
+
+
+def _device(x):
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")  # a Python number
+
+
+def _meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _zero_kernel(op):
+    def answer_from_the_shape(keyset, a, b, *rest, **kwargs):
+        # the result's shape and dtype from the operands' metadata (a level tensor's own; a
+        # Python number, which comes here unwrapped, promotes as the binding wraps it)
+        meta = op(_meta(a), _meta(b), *rest, **kwargs)
+        fill = _zero_fill(op, a, b)
+        level = a if isinstance(a, LevelTensor) else b if isinstance(b, LevelTensor) else None
+        if level is not None:  # through the level: its wrapper, not a plain tensor
+            return level.new_full(meta.shape, 0.0 if fill is None else fill, dtype=meta.dtype)
+        device = _device(b) if _device(a).type == "cpu" else _device(a)  # torch's correct_out_device
+        if fill is None:
+            return torch._efficientzerotensor(meta.shape, dtype=meta.dtype, device=device)
+        return torch.full(meta.shape, fill, dtype=meta.dtype, device=device)
+
+    return answer_from_the_shape
+
+
 _library = None
 
 
@@ -107,6 +162,10 @@ def install():
     for op in OPS:
         for key in ("Conjugate", "Negative"):
             library.impl(_schema_name(op), _kernel(op), key, with_keyset=True)
+    with warnings.catch_warnings():  # torch warns that these replace its ZeroTensor kernels
+        warnings.filterwarnings("ignore", "Warning only once for all operators")
+        for op in ZERO_OPS:
+            library.impl(_schema_name(op), _zero_kernel(op), "ZeroTensor", with_keyset=True)
     _library = library
 
 

@@ -13,7 +13,9 @@ torch's own kernel runs), and the kernels `core/lazy_bits.py` registers at torch
 Conjugate and Negative keys for a few out-of-place arithmetic ops from the first transform
 on (beside a level tensor, a plain operand's lazy conjugate view goes through to the
 level unresolved, and is resolved on the values below, in their autograd and forward-AD
-state; otherwise what torch's fallback does).
+state; otherwise what torch's fallback does) and at the ZeroTensor key for `mul`, `div`,
+`linalg_cross`, `dot` and `vdot` (beside a level tensor an efficient zero's answer is the
+level's tensor, not a plain one; otherwise torch's answer, checked against it by a test).
 
 Example:
     >>> import functx
