@@ -45,6 +45,11 @@ Semantics, as jax.jit's where they can be:
   `grad` makes of an unbatched input, becomes a product with that weight); a
   `post_grad_custom_pre_pass` given in `options` runs after them.
 
+- **Where torch.compile refuses** a program eager torch computes (`_COMPILE_REFUSALS`: a
+  write through a view of an `as_strided` view, which torch's second-order SVD backward
+  makes) before any of the call ran (no input written), that signature runs eagerly from
+  then on, with an `EagerFallbackWarning`: right values, untraced.
+
 - **Under a user's `TorchDispatchMode`** (a FLOP counter, a logging mode) the function runs
   eagerly, untraced: the mode sees its plain-tensor ops (dynamo does not trace there, and a
   function it declined once it would never trace again). Calls outside the mode trace as usual.
@@ -79,6 +84,24 @@ _modes_on_stack = torch._C._len_torch_dispatch_stack
 
 class RetraceWarning(UserWarning):
     """A jitted function was traced again and again (its calls keep changing shape)."""
+
+
+class EagerFallbackWarning(UserWarning):
+    """torch.compile refused to trace a jitted function: it runs eagerly (right, untraced)."""
+
+
+# What torch.compile refuses though eager torch computes it: functionalization cannot
+# express a write through a view of an `as_strided` view (torch's own backward of a write
+# into a view, CopySlices, reads the slice back with as_strided: the caller's gradient
+# through a jitted third derivative of an SVD meets it).
+_COMPILE_REFUSALS = ("as_strided() is non-compositional",)
+_REFUSED = object()  # a signature torch.compile refused: run eagerly
+
+
+def _tensor_versions(args, kwargs) -> list:
+    """The version counters of the tensors among the arguments (an in-place write bumps one)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
 def jit(fn=None, *, static_argnums=(), backend=None, dynamic=False, debug=None, mode=None, options=None):
@@ -302,6 +325,12 @@ class Jitted:
         compiled = self._by_statics.get(statics)
         if compiled is None:
             compiled = self._by_statics[statics] = self._compile_for(statics, len(args))
+            return self._first_call(compiled, statics, args, dynamic_args, kwargs)
+        if compiled is _REFUSED:
+            return self.fn(*args, **kwargs)
+        return self._call(compiled, args, dynamic_args, kwargs)
+
+    def _call(self, compiled, args, dynamic_args, kwargs):
         if not self.debug:
             return compiled(*dynamic_args, **kwargs)
         traces, start = self.traces, time.perf_counter()
@@ -309,6 +338,27 @@ class Jitted:
         if self.traces != traces:
             self._traced(args, time.perf_counter() - start)
         return out
+
+    def _first_call(self, compiled, statics, args, dynamic_args, kwargs):
+        """The call that traces a signature. Where torch.compile refuses the program
+        (`_COMPILE_REFUSALS`) before anything of it ran (no input written), the signature runs
+        eagerly from then on, with a warning; any other error is the function's own."""
+        versions = _tensor_versions(args, kwargs)
+        try:
+            return self._call(compiled, args, dynamic_args, kwargs)
+        except Exception as error:
+            refused = next((r for r in _COMPILE_REFUSALS if r in str(error)), None)
+            if refused is None or any(t._version != v for t, v in versions):
+                raise
+            self._by_statics[statics] = _REFUSED
+            reason = next(line for line in str(error).splitlines() if refused in line).strip()
+            warnings.warn(
+                f"functx.jit({self._name}): torch.compile refuses to trace this call ({reason[:300]}); "
+                f"it runs eagerly, untraced, for these arguments from now on.",
+                EagerFallbackWarning,
+                stacklevel=3,
+            )
+        return self.fn(*args, **kwargs)
 
     @property
     def _name(self) -> str:
