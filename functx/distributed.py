@@ -25,15 +25,15 @@ Three parts, all built on an initialised process group (`torch.distributed.init_
   leaves it alone (all-reduce and broadcast are elementwise: anywhere; gathers, scatters
   and all-to-all work on dim 0 of the sample: the batch goes to dim 1). Every rank must
   call a collective with the same batch size, as it must call it with the same shapes
-  outside vmap. `functx.vmap` installs these rules the first time it meets one of these
-  ops (this module need not be imported for them). Gradients come from torch's own
+  outside vmap (the rules: `functx/vmap/rules/collectives.py`, which `functx.vmap` imports
+  the first time it meets one of these ops: this module need not be imported). Gradients come from torch's own
   autograd formulas for these ops (torch >= 2.13 registers them on the `_c10d_functional`
   ops: all_reduce(sum) <-> all_reduce(sum), all_gather <-> reduce_scatter(sum)), which
   functx.grad, vjp, jacrev, vmap(grad) and grad(vmap) use; as in torch, the gradient is
   that of the sum of every rank's loss. Forward mode (jvp, jacfwd, hessian, linearize), which
   torch does not give these ops (its forward AD drops their tangents: zeros), is functx's: a
   collective is linear, so the output's tangent is the same collective of every rank's
-  tangent (`_register_forward_rules`, through functx/ad/library_ops.py); all_reduce with
+  tangent (`functx/ad/collectives.py`, through functx/ad/library_ops.py); all_reduce with
   max/min is not, and is an error. Second derivatives (hessian, jacrev(jacrev),
   vmap(grad(grad))) are right; under vmap torch's double backward of a collective (an
   old-style autograd.Function) runs once per sample, with a PerformanceWarning.
@@ -55,9 +55,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from .ad import library_ops
-from .ad.wrapped_forward import NO_FORWARD_FORMULA
-from .library import register_vmap
+from .ad import collectives as _forward_rules  # noqa: F401  (the collectives' forward-mode rules)
+from .vmap.rules import collectives as _batching_rules  # noqa: F401  (the collectives' batching rules)
 
 if not dist.is_available():  # pragma: no cover - torch built without distributed support
     raise ImportError(
@@ -436,158 +435,3 @@ def gather_predictions(local, group: dist.ProcessGroup | None = None, dim: int =
         chunks = out.view(world_size, most, *t.shape[1:])
         gathered.append(torch.cat([chunks[r, : sizes[r]] for r in range(world_size)]).movedim(0, dim))
     return optree.tree_unflatten(spec, gathered)
-
-
-# -- batching rules for the functional collectives ------------------------------------------
-_c10d = torch.ops._c10d_functional
-_c10d_autograd = torch.ops._c10d_functional_autograd
-
-
-def _elementwise_rule(op):
-    """all_reduce, broadcast, wait_tensor: the collective acts elementwise across ranks, so
-    it runs on the physical tensor as it is (batch dim anywhere)."""
-
-    def rule(info, in_dims, x, *rest):
-        return op(x, *rest), in_dims[0]
-
-    return rule
-
-
-def _dim0_rule(op):
-    """all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single: they gather, scatter
-    or exchange along dim 0 of the sample, so the batch dim goes to dim 1 and the output
-    keeps it there (`(n, B, ...)` -> `(W·n, B, ...)` for a gather)."""
-
-    def rule(info, in_dims, x, *rest):
-        _check_has_dim0(op, x)
-        return op(x.movedim(in_dims[0], 1).contiguous(), *rest), 1
-
-    return rule
-
-
-def _check_has_dim0(op, physical: Tensor) -> None:
-    if physical.dim() < 2:
-        raise RuntimeError(
-            f"functx.vmap: {op._schema.name} of a 0-dim sample: the collective works along dim 0 of each "
-            f"sample, which a 0-dim tensor does not have; give the sample one (x.unsqueeze(0))"
-        )
-
-
-def _coalesced_rule(op, dim0: bool):
-    """The coalesced forms: one collective for a list of tensors, each moved as its single
-    form moves it; unbatched ones go as they are."""
-
-    def rule(info, in_dims, xs, *rest):
-        dims = in_dims[0]
-        if dim0:
-            for x, d in zip(xs, dims):
-                if d is not None:
-                    _check_has_dim0(op, x)
-        moved = [x if d is None else (x.movedim(d, 1).contiguous() if dim0 else x) for x, d in zip(xs, dims)]
-        out_dims = [None if d is None else (1 if dim0 else d) for d in dims]
-        return op(moved, *rest), out_dims
-
-    return rule
-
-
-def _wait_rule(info, in_dims, x):
-    """`_wrap_tensor_autograd` (what the Python wrappers call to return an
-    `AsyncCollectiveTensor`, which waits on first use): under vmap, wait now."""
-    return _c10d.wait_tensor(x), in_dims[0]
-
-
-def _refusing_rule(op, instead: str):
-    def rule(info, in_dims, *args, **kwargs):
-        raise NotImplementedError(
-            f"functx.vmap: {op._schema.name} has no batching rule (run once per sample, its outputs would be "
-            f"read before the collective finished); {instead}"
-        )
-
-    return rule
-
-
-def _register_rules() -> None:
-    for op in (_c10d.all_reduce, _c10d.broadcast, _c10d.wait_tensor):
-        register_vmap(op.default, _elementwise_rule(op.default))
-    for op in (
-        _c10d.all_gather_into_tensor,
-        _c10d.reduce_scatter_tensor,
-        _c10d.all_to_all_single,
-        _c10d_autograd.all_gather_into_tensor,
-        _c10d_autograd.reduce_scatter_tensor,
-        _c10d_autograd.all_to_all_single,
-    ):
-        register_vmap(op.default, _dim0_rule(op.default))
-    register_vmap(_c10d.all_reduce_coalesced.default, _coalesced_rule(_c10d.all_reduce_coalesced.default, False))
-    for op in (_c10d.all_gather_into_tensor_coalesced, _c10d.reduce_scatter_tensor_coalesced):
-        register_vmap(op.default, _coalesced_rule(op.default, True))
-    register_vmap(_c10d._wrap_tensor_autograd.default, _wait_rule)
-    out_of_place = "use the out-of-place form (torch.distributed._functional_collectives.all_reduce, ...)"
-    for name in ("all_reduce_", "all_reduce_coalesced_", "broadcast_", "all_gather_into_tensor_out", "reduce_scatter_tensor_out"):
-        op = getattr(_c10d, name).default
-        register_vmap(op, _refusing_rule(op, out_of_place))
-    for name in ("isend", "irecv", "batch_p2p_ops"):
-        op = getattr(_c10d, name).default
-        register_vmap(op, _refusing_rule(op, "send and receive the batch outside vmap"))
-
-
-def _linear_forward_rule(op, reduce_op_at=None):
-    """A collective is linear in its tensors (sum or average over ranks, gathering, scattering,
-    exchanging, broadcasting): the output's tangent is the same collective of the tangents,
-    so forward mode costs one more collective, as torch's backward does. Every rank must
-    differentiate the same collectives (with zero tangents where it has none), as every
-    rank calls them."""
-
-    def rule(run, primals, tangents, kwargs):
-        if reduce_op_at is not None and str(primals[reduce_op_at]).lower() not in ("sum", "avg"):
-            raise NotImplementedError(
-                f"{NO_FORWARD_FORMULA} {op} with reduce_op={primals[reduce_op_at]!r}: only a sum or an average over "
-                f"ranks is linear (functx.jvp falls back to the double-VJP identity, which needs the backward)"
-            )
-        args = [_tangent_or_zeros(p, t) for p, t in zip(primals, tangents)]
-        # The tangent's collective is waited on at once: attaching it to the output may copy
-        # it (a vmap-batched tangent), which must not read the buffer before it is filled.
-        tangent = op(*args, **kwargs)
-        if isinstance(tangent, list):
-            return run(*primals, **kwargs), [_c10d.wait_tensor(t) for t in tangent]
-        return run(*primals, **kwargs), _c10d.wait_tensor(tangent)
-
-    return rule
-
-
-def _wrap_forward_rule(run, primals, tangents, kwargs):
-    """`_wrap_tensor_autograd` returns an AsyncCollectiveTensor, whose users read its inner
-    tensor (`.elem`), which has no tangent: under forward mode the collective is waited on
-    at once instead (as under vmap)."""
-    return _c10d.wait_tensor(primals[0]), _c10d.wait_tensor(tangents[0])
-
-
-def _tangent_or_zeros(primal, tangent):
-    if isinstance(primal, Tensor):
-        return torch.zeros_like(primal) if tangent is None else tangent
-    if isinstance(primal, list) and tangent is not None:
-        return [torch.zeros_like(p) if t is None else t for p, t in zip(primal, tangent)]
-    return primal
-
-
-def _register_forward_rules() -> None:
-    """Forward mode (jvp, jacfwd, hessian) through the functional collectives: torch gives
-    them reverse mode only (functx/ad/library_ops.py)."""
-    reduce_op_at = {"all_reduce": 1, "all_reduce_coalesced": 1, "reduce_scatter_tensor": 1, "reduce_scatter_tensor_coalesced": 1}
-    namespaces = {
-        _c10d: ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-                "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
-                "wait_tensor"),
-        _c10d_autograd: ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"),
-    }  # fmt: skip
-    for namespace, names in namespaces.items():
-        for name in names:
-            op = getattr(namespace, name).default
-            library_ops.register_forward_rule(op, _linear_forward_rule(op, reduce_op_at.get(name)))
-            library_ops.wrap_existing(op)
-    library_ops.register_forward_rule(_c10d._wrap_tensor_autograd.default, _wrap_forward_rule)
-    library_ops.wrap_existing(_c10d._wrap_tensor_autograd.default)
-
-
-_register_rules()
-_register_forward_rules()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .vmap.custom_function import VmapInfo
-from .vmap.rules import custom_ops
+from .vmap.rules import user_rules
 
 
 def _overloads(op):
@@ -67,7 +67,7 @@ def register_vmap(op, func=None):
 
     def register(func):
         for overload in _overloads(op):
-            custom_ops.register(overload, func)
+            user_rules.register(overload, func)
         return func
 
     return register if func is None else register(func)

@@ -26,7 +26,7 @@ import optree
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
-from ..core.dual_values import level_rule
+from ..core.forward_ad_state import level_rule
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
 from ..core.level_tensor import LevelTensor
 from .direct_forward import DirectJvpLevel

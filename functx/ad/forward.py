@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 import warnings
 
 import torch
@@ -83,6 +84,12 @@ def _check_primals_tangents(primals, tangents, api):
 
 
 
+# torch gives its functional collectives no forward formula; ad/collectives.py gives them
+# functx's, loaded by the first forward transform after torch's module is imported (it costs
+# an import of torch.distributed's collectives, which `import functx` does not pay).
+_FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
+
+
 def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=False):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
     output does not depend on the primals, output structure, aux). `wrapped`: at a wrapped
@@ -97,6 +104,8 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=
             )
     with functx_code():
         prepare_forward_mode()
+        if _FUNCTIONAL_COLLECTIVES in sys.modules:
+            from . import collectives  # noqa: F401  (their forward rules, registered on first import)
         level = WrappedJvpLevel() if wrapped else choose_level(transform, (flat_primals, flat_tangents))
     if type(level) is DirectJvpLevel:
         try:

@@ -5,7 +5,7 @@ torch gives such an operator reverse mode only, and under forward AD its autogra
 the operator below autograd and returns an output with no tangent: `jvp`, `jacfwd` and
 `hessian`'s forward half through it were silently zero (torch.func's still are). functx wraps
 those kernels (`forward_aware`): where an input carries a tangent, an operator with a forward
-rule (`register_forward_rule`: functx.distributed gives the linear collectives theirs)
+rule (`register_forward_rule`: ad/collectives.py gives the linear collectives theirs)
 computes its output's tangent; any other raises torch's own "Trying to use forward AD with"
 error, which functx's forward transforms answer by the double-VJP identity from the
 operator's registered backward (forward.py), and which torch.func users see instead of zeros.
@@ -32,8 +32,6 @@ the operator does).
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from typing import Callable
 
 import torch
@@ -176,9 +174,8 @@ def wrap_at_first_forward(op: torch._ops.OpOverload) -> None:
 def prepare_forward_mode() -> None:
     """Called by every forward transform: the first wraps the `custom_op`s made before functx
     was imported (here, not at import: it takes ~0.1 s) and the operators named through
-    `wrap_at_first_forward`; the forward rules of torch's functional collectives load once
-    they are imported."""
-    global _earlier_wrapped, _collectives_ready
+    `wrap_at_first_forward`. (The functional collectives' rules: forward.py loads them.)"""
+    global _earlier_wrapped
     if not _earlier_wrapped:
         _earlier_wrapped = True
         for opdef in _EARLIER_OPDEFS:
@@ -186,17 +183,12 @@ def prepare_forward_mode() -> None:
                 wrap_existing(opdef._opoverload, opdef._lib)
         for op in _WRAP_AT_FIRST_FORWARD:
             wrap_existing(op)
-    if not _collectives_ready and _FUNCTIONAL_COLLECTIVES in sys.modules:
-        _collectives_ready = True
-        importlib.import_module("functx.distributed")  # it registers their rules
 
 
-_FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
 _libraries: dict = {}
 _forward_aware_ops: set = set()
 _earlier_wrapped = False
 _WRAP_AT_FIRST_FORWARD: list = []
-_collectives_ready = False
 _EARLIER_OPDEFS = list(OPDEFS.values())
 _torch_make_autograd_impl = _library_autograd.make_autograd_impl
 _library_autograd.make_autograd_impl = _make_forward_aware_autograd_impl  # every later registration

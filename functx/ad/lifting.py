@@ -36,11 +36,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core.custom_function import in_function_body
-from ..core.dual_values import call_at_values, in_level_rule
+from ..core.forward_ad_state import in_level_rule
 from ..core.errors import op_name
 from ..core.factories import FACTORIES
 from ..core.interpreter import functx_code
-from ..core.level_tensor import LevelTensor, level_of
+from ..core.level_tensor import LevelTensor, call_at_values, level_of
 
 
 class FactoryLifting(TorchFunctionMode):

@@ -51,7 +51,8 @@ import torch
 import torch._decomp
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
-from ..core.dual_values import one_level_down_over_dual_values, user_forward_ad
+from ..core.dual_values import one_level_down_over_dual_values
+from ..core.forward_ad_state import user_forward_ad
 from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import (
     LevelTensor,

@@ -22,9 +22,10 @@ import contextlib
 
 import torch
 
-from ..core.dual_values import at_wrappers, call_at_values, down_state
+from ..core.forward_ad_state import at_wrappers, down_state
 from ..core.level_tensor import (
     LevelTensor,
+    call_at_values,
     mutated_argument,
     promote_for_write,
     refresh_views,

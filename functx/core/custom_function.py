@@ -40,7 +40,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import interpreter as _interpreter  # (imports this module first: use at call time)
-from .dual_values import applying_function
+from .forward_ad_state import applying_function
 from .level_tensor import LevelTensor, unwrap_dead
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object

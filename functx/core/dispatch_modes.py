@@ -46,15 +46,12 @@ class PlainTensorsOnly(TorchDispatchMode):
     wrappers, ops on plain tensors to the user's mode."""
 
     def __init__(self, mode: TorchDispatchMode):
-        from .level_tensor import LevelTensor  # not at the top: level_tensor -> interpreter -> this module
-
         super().__init__()
         self.mode = mode
-        self.wrapper_type = LevelTensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
-            if issubclass(t, self.wrapper_type):
+            if getattr(t, "is_functx_level_tensor", False):  # LevelTensor's subclasses (level_tensor.py)
                 return NotImplemented
         return self.mode.__torch_dispatch__(func, types, args, kwargs)
 

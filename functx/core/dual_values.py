@@ -26,116 +26,14 @@ The levels' own modes do it for the user's calls (vmap/randomness.py, ad/lifting
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .level_tensor import LevelTensor
+from .forward_ad_state import down_state, values_own_state
+from .level_tensor import call_at_values
 
 _set_fwd_grad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
-_is_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
-_outside = threading.local()  # `enabled`: the forward AD state of the call at wrappers being run
-
-
-def wraps_over_dual_values(values) -> bool:
-    """Whether `values` (a call's arguments: tensors, or lists of them as `torch.cat` takes)
-    include a wrapper of a live level opened inside a jvp level on values. (The ops on a
-    finished level's wrappers run on their values directly, level_tensor.py: forward AD on.)"""
-    for a in values:
-        if isinstance(a, LevelTensor):
-            if a._interp.over_dual_values and a._interp.alive:
-                return True
-        elif type(a) is list or type(a) is tuple:
-            for e in a:
-                if isinstance(e, LevelTensor) and e._interp.over_dual_values and e._interp.alive:
-                    return True
-    return False
-
-
-def call_at_values(func, args, kwargs, plain=None):
-    """`func(*args, **kwargs)` with torch's forward AD off if it mixes in such wrappers (the
-    state it was called in is kept for their level's rule: `down_state`); otherwise in
-    forward AD state `plain` (None: as it is)."""
-    if wraps_over_dual_values(args) or bool(kwargs) and wraps_over_dual_values(kwargs.values()):
-        with at_wrappers():
-            return func(*args, **kwargs)
-    if plain is None or plain == _is_fwd_grad_enabled():
-        return func(*args, **kwargs)
-    with _set_fwd_grad_enabled(plain):
-        return func(*args, **kwargs)
-
-
-class at_wrappers:
-    """Forward AD off for ops on the wrappers of levels over a jvp on values, the state
-    before kept for their rules (`down_state`). Nested right inside another (torch's
-    autograd making a backward's default cotangent), the state before is the outer one's."""
-
-    __slots__ = ("_saved", "_off")
-
-    def __enter__(self):
-        self._saved = (getattr(_outside, "enabled", None), getattr(_outside, "ours", False))
-        if not self._saved[1]:
-            _outside.enabled = _is_fwd_grad_enabled()
-        _outside.ours = True
-        self._off = _set_fwd_grad_enabled(False)
-
-    def __exit__(self, *exc):
-        self._off.__exit__(*exc)
-        _outside.enabled, _outside.ours = self._saved
-
-
-class level_rule:
-    """While a level's own rule runs in user-facing code (the AD levels' autograd.Function
-    rules, ad/custom_function.py, which make this level's carriers and set forward AD for
-    what they run one level down themselves): the levels' modes leave its calls alone."""
-
-    __slots__ = ("_saved",)
-
-    def __enter__(self):
-        self._saved = getattr(_outside, "in_rule", False)
-        _outside.in_rule = True
-
-    def __exit__(self, *exc):
-        _outside.in_rule = self._saved
-
-
-def in_level_rule() -> bool:
-    return getattr(_outside, "in_rule", False)
-
-
-class applying_function:
-    """While a level applies a `torch.autograd.Function` (core/custom_function.py): torch runs
-    the Function's forward and jvp with forward AD off, meant for the level applying it
-    (whose rule handles its tangents); the forward levels below must still compute theirs
-    there (torch.func lowers a Function with each level's own forward AD mode)."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        _outside.functions = getattr(_outside, "functions", 0) + 1
-
-    def __exit__(self, *exc):
-        _outside.functions -= 1
-
-
-def user_forward_ad() -> bool:
-    """Whether forward AD is on for the op a forward level is given, as the user's code set
-    it. `_set_fwd_grad_enabled(False)` around an op stops its tangents at every forward level,
-    as in torch.func (its levels keep the mode while an op goes down through them; so does a
-    jvp on values, which is torch's forward AD itself), and as `torch.no_grad()` stops every
-    reverse level. What functx switches off itself (`at_wrappers`) is seen through
-    (`down_state`), and so is torch's switching inside an autograd.Function (above)."""
-    return getattr(_outside, "functions", 0) > 0 or down_state()
-
-
-def down_state() -> bool:
-    """The forward AD state a level over a jvp on values computes with its values in: the
-    state the op on its wrappers was called in (torch switches forward AD off inside an
-    autograd.Function's jvp at the values, and it must stay off there)."""
-    enabled = getattr(_outside, "enabled", None)
-    return _is_fwd_grad_enabled() if enabled is None else enabled
 
 
 class ForwardADAtValues(TorchFunctionMode):
@@ -156,20 +54,17 @@ class one_level_down_over_dual_values:
     outside's (autograd on), forward AD as `down_state` says (or in the `state` a jvp level
     decides for what it runs one level down, wrapped_forward.py), and `ForwardADAtValues`."""
 
-    __slots__ = ("_state", "_guards", "_ours")
+    __slots__ = ("_state", "_guards")
 
     def __init__(self, state=None):
         self._state = state
 
     def __enter__(self):
         plain = down_state() if self._state is None else self._state
-        self._ours = getattr(_outside, "ours", False)
-        _outside.ours = False  # the state set here is the values' own
-        self._guards = (_restore_autograd(), _set_fwd_grad_enabled(plain), ForwardADAtValues(plain))
+        self._guards = (values_own_state(), _restore_autograd(), _set_fwd_grad_enabled(plain), ForwardADAtValues(plain))
         for guard in self._guards:
             guard.__enter__()
 
     def __exit__(self, *exc):
         for guard in reversed(self._guards):
             guard.__exit__(*exc)
-        _outside.ours = self._ours

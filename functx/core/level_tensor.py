@@ -16,6 +16,7 @@ import torch
 import torch.utils._mode_utils
 
 from .errors import op_name
+from .forward_ad_state import at_wrappers, down_state
 from .interpreter import current_stack
 
 
@@ -49,6 +50,7 @@ class LevelTensor(torch.Tensor):
 
     _value: torch.Tensor
     _interp: object
+    is_functx_level_tensor = True  # how core/dispatch_modes.py, below this module, knows one
 
     # Ops reach us as ATen ops only; no Python-level __torch_function__ work per call.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -91,6 +93,35 @@ class LevelTensor(torch.Tensor):
         if not top.alive:
             return _dispatch_with_dead_levels(op, args, kwargs or {})
         return top.process(op, args, kwargs or {})
+
+
+def wraps_over_dual_values(values) -> bool:
+    """Whether `values` (a call's arguments: tensors, or lists of them as `torch.cat` takes)
+    include a wrapper of a live level opened inside a jvp level on values
+    (core/dual_values.py). (The ops on a
+    finished level's wrappers run on their values directly, level_tensor.py: forward AD on.)"""
+    for a in values:
+        if isinstance(a, LevelTensor):
+            if a._interp.over_dual_values and a._interp.alive:
+                return True
+        elif type(a) is list or type(a) is tuple:
+            for e in a:
+                if isinstance(e, LevelTensor) and e._interp.over_dual_values and e._interp.alive:
+                    return True
+    return False
+
+
+def call_at_values(func, args, kwargs, plain=None):
+    """`func(*args, **kwargs)` with torch's forward AD off if it mixes in such wrappers (the
+    state it was called in is kept for their level's rule: `down_state`); otherwise in
+    forward AD state `plain` (None: as it is)."""
+    if wraps_over_dual_values(args) or bool(kwargs) and wraps_over_dual_values(kwargs.values()):
+        with at_wrappers():
+            return func(*args, **kwargs)
+    if plain is None or plain == torch._C._is_fwd_grad_enabled():
+        return func(*args, **kwargs)
+    with torch.autograd.forward_ad._set_fwd_grad_enabled(plain):
+        return func(*args, **kwargs)
 
 
 def wrapper_like(cls, value: torch.Tensor, interp, requires_grad: bool = False):
@@ -245,8 +276,6 @@ def _dispatch_with_dead_levels(op, args, kwargs):
         # (core/dual_values.py): a `vjp_fn` called with a cotangent of a live level over a jvp
         # on values runs its backward under `at_wrappers` (forward AD off for those wrappers),
         # and its dead formulas' values (the jvp's plain duals) would lose their tangents.
-        from .dual_values import call_at_values, down_state  # it imports this module
-
         if op is _VIEW_AS_REAL and values[0].is_conj():
             # a dead wrapper of a lazily conjugated value (wrappers carry no conj bit, so
             # torch's `real` took it for resolved): resolve it here, where the levels below

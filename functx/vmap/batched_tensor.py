@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.dual_values import one_level_down_over_dual_values, user_forward_ad
+from ..core.dual_values import one_level_down_over_dual_values
+from ..core.forward_ad_state import user_forward_ad
 from ..core.errors import DeadLevelError
 from ..core.interpreter import Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write, refresh_views

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, redispatch_function
 
 from ..core.factories import FACTORIES
-from ..core.dual_values import call_at_values, in_level_rule
+from ..core.forward_ad_state import in_level_rule
 from ..core.interpreter import current_stack
-from ..core.level_tensor import LevelTensor, level_of
+from ..core.level_tensor import LevelTensor, call_at_values, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 from .chain import peel
 

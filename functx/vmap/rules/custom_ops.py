@@ -16,21 +16,8 @@ import torch
 
 from ...core.rules import decomposition_for
 from ..batched_tensor import VMAP_RULES
-from ..custom_function import VmapInfo, in_dims_and_values, wrap_user_outputs
 from ..fallback import loop_fallback
-
-REGISTERED: dict = {}  # OpOverload -> rule, from functx.library.register_vmap
-
-
-def user_rule(func):
-    """A batching rule (functx's form) running a user's rule (torch.library's form)."""
-
-    def rule(interp, *args, **kwargs):
-        in_dims, values = in_dims_and_values(interp, args, user_dims=True)
-        result = func(VmapInfo(interp.batch_size, interp.randomness), in_dims, *values, **kwargs)
-        return wrap_user_outputs(interp, result, args, values, in_dims=in_dims)
-
-    return rule
+from .user_rules import REGISTERED, user_rule
 
 
 def _torch_registered_rule(op):
@@ -53,7 +40,10 @@ def _is_user_op(op) -> bool:
 
 # Namespaces whose rules live in a functx module imported on first use (it would cost every
 # `import functx` an import of torch.distributed): the module registers them on import.
-_RULES_IMPORTED_ON_USE = {"_c10d_functional": "functx.distributed", "_c10d_functional_autograd": "functx.distributed"}
+_RULES_IMPORTED_ON_USE = {
+    "_c10d_functional": f"{__package__}.collectives",
+    "_c10d_functional_autograd": f"{__package__}.collectives",
+}
 
 
 def _user_op_rule(op):
@@ -75,8 +65,3 @@ def _user_op_rule(op):
 
 
 VMAP_RULES.add_template(_is_user_op, _user_op_rule)
-
-
-def register(op, func) -> None:
-    REGISTERED[op] = func
-    VMAP_RULES._handlers.pop(op, None)
