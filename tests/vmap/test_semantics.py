@@ -158,7 +158,7 @@ def test_new_zeros_of_batched_tensor_accepts_batched_writes():
     ids=["item", "bool", "int", "float", "nonzero", "mask_index", "masked_select", "unique"],
 )
 def test_data_dependent_ops_raise_naming_vmap_and_where(f):
-    """Shape-dependent ops run per sample and stack equal shapes (test_issue12_ops.py): here
+    """Shape-dependent ops run per sample and stack equal shapes (test_random_fill_and_data_dependent_ops.py): here
     every row has its own count of nonzero, positive and distinct entries."""
     x = torch.tensor([[1.0, 0, 2], [0, 0, 3], [1, 1, 1], [-1, 2, -3]])
     with pytest.raises(RuntimeError, match=r"(?s)vmap.*torch\.where"):

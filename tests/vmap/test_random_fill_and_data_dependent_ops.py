@@ -1,4 +1,4 @@
-"""Issue 12 under vmap: functx may raise where it cannot do something, but never returns a
+"""Random ops, fills and data-dependent ops under vmap: functx may raise where it cannot do something, but never returns a
 value that differs from what one sample gives in plain PyTorch; where torch.func runs an
 op, functx does too.
 

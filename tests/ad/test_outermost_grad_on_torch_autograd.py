@@ -1,4 +1,5 @@
-"""The outermost grad level runs on plain torch autograd (functx/ad/plain_level.py).
+"""The outermost grad level runs on plain torch autograd (functx/ad/direct_reverse.py,
+`DirectGradLevel` outside every vmap).
 
 What wrappers would give for free must still hold: results leave detached unless the
 function reached tensors tracked outside the transform, an outer differentiation through
