@@ -32,6 +32,7 @@ import torch.utils.checkpoint as _checkpoint
 
 from ..core.custom_function import replace_under_transforms
 from ..core.interpreter import current_stack
+from ..core.patches import patch
 from ..vmap.batched_tensor import VmapInterpreter
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
@@ -62,4 +63,11 @@ def _without_reentrant_generator(*args, **kwargs):
 
 
 replace_under_transforms(_checkpoint.CheckpointFunction, reentrant_checkpoint)
-_checkpoint._checkpoint_without_reentrant_generator = _without_reentrant_generator
+patch(
+    _checkpoint,
+    "_checkpoint_without_reentrant_generator",
+    _without_reentrant_generator,
+    "the recomputation's detach does not cut functx's wrapped levels (hessian through checkpoint was "
+    "off by ~4); reentrant checkpointing is replaced under transforms through "
+    "core/custom_function.replace_under_transforms",
+)

@@ -39,6 +39,7 @@ import torch._library.autograd as _library_autograd
 import torch.autograd.forward_ad as _forward_ad
 from torch._library.custom_ops import OPDEFS
 
+from ..core.patches import kernels, patch
 from .wrapped_forward import NO_FORWARD_FORMULA
 
 _DUAL_LEVEL = 0  # functx attaches torch-level tangents at torch's one dual level
@@ -128,7 +129,7 @@ def wrap_existing(op: torch._ops.OpOverload, library=None) -> None:
     if op in _forward_aware_ops:
         return
     if library is None:
-        library = _libraries.setdefault(op.namespace, torch.library.Library(op.namespace, "IMPL"))
+        library = _namespace_library(op.namespace)
     kinds = {  # dispatch key -> how its kernel got there ("autograd kernel]": the Autograd alias's)
         line.split(":", 1)[0]: line.rsplit("[", 1)[-1]
         for line in torch._C._dispatch_dump_table(op.name()).splitlines()
@@ -137,6 +138,22 @@ def wrap_existing(op: torch._ops.OpOverload, library=None) -> None:
     for key in _BACKEND_AUTOGRAD_KEYS:
         library.impl(op, forward_aware(op, _shadowed_kernel(op, key, kinds)), key, with_keyset=True)
     _forward_aware_ops.add(op)
+
+
+def _namespace_library(namespace: str):
+    """functx's library of forward-aware kernels for operators of `namespace` (registered in
+    core/patches.py; undone, its operators are wrapped again when next asked)."""
+
+    def forget():
+        _forward_aware_ops.difference_update({op for op in _forward_aware_ops if op.namespace == namespace})
+
+    return kernels(
+        f"forward-aware autograd kernels of {namespace} operators",
+        lambda: torch.library.Library(namespace, "IMPL"),
+        "the operator's tangent under forward mode instead of torch's silent zero (ad/library_ops.py); "
+        "for aten: the forward formulas torch gets wrong (ad/aten_forward_rules.py)",
+        reset=forget,
+    )
 
 
 def _shadowed_kernel(op: torch._ops.OpOverload, key: str, kinds: dict) -> Callable:
@@ -185,10 +202,13 @@ def prepare_forward_mode() -> None:
             wrap_existing(op)
 
 
-_libraries: dict = {}
 _forward_aware_ops: set = set()
 _earlier_wrapped = False
 _WRAP_AT_FIRST_FORWARD: list = []
 _EARLIER_OPDEFS = list(OPDEFS.values())
-_torch_make_autograd_impl = _library_autograd.make_autograd_impl
-_library_autograd.make_autograd_impl = _make_forward_aware_autograd_impl  # every later registration
+_torch_make_autograd_impl = patch(  # every later registration
+    _library_autograd,
+    "make_autograd_impl",
+    _make_forward_aware_autograd_impl,
+    "torch.library operators registered later keep their tangents under forward mode",
+)

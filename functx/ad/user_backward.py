@@ -30,6 +30,7 @@ import functools
 import torch
 
 from ..core.interpreter import current_stack
+from ..core.patches import patch
 from .level import ADLevel
 
 _torch_backward = torch.autograd.backward
@@ -58,5 +59,11 @@ def backward(*args, **kwargs):
     return _torch_backward(*args, **kwargs)
 
 
-backward.__module__ = __name__  # (functools.wraps copied torch's; core/patches.py reads it)
-torch.autograd.backward = backward  # listed in core/patches.py
+backward.__module__ = __name__  # (functools.wraps copied torch's)
+patch(
+    torch.autograd,
+    "backward",
+    backward,
+    ".backward() inside an AD transform raises a clear error (it used to end in torch's "
+    "'backward through the graph a second time')",
+)

@@ -42,6 +42,7 @@ from torch.autograd.function import _is_setup_context_defined
 from . import interpreter as _interpreter  # (imports this module first: use at call time)
 from .forward_ad_state import applying_function
 from .level_tensor import LevelTensor, unwrap_dead
+from .patches import patch
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object
 _original_apply_function = _ORIGINAL_APPLY.__func__
@@ -199,4 +200,9 @@ def _forward_signature(function):
 
 # what users see in error messages and reprs (`vmap(apply, ...)`), as with torch's own
 _apply.__name__, _apply.__qualname__ = "apply", "Function.apply"
-torch.autograd.Function.apply = classmethod(_apply)
+patch(
+    torch.autograd.Function,
+    "apply",
+    classmethod(_apply),
+    "a Function applied while a transform runs goes to the highest level among its arguments",
+)

@@ -1,72 +1,134 @@
-"""Every change functx makes to torch itself, in one list (the design's contract: nothing is
-patched that is not named here, with where and why).
+"""Every change functx makes to torch itself, in one list: nothing is patched that is not
+registered here, with where and why (the design's contract; `tests/core/test_patches.py`
+reads the source for assignments to torch's attributes and kernel registrations outside
+it).
 
-Each entry is `(owner, attribute, installed_by, why)`: `getattr(owner, attribute)` is
-functx's replacement once `functx` is imported. The installing modules still hold the code
-(each next to the machinery it serves); this list is what a reader, a reviewer and
-`tests/core/test_patches.py` check against. Not attributes, so not in the list: the
-autograd kernels `ad/library_ops.py` registers (torch.library IMPL) for operators defined
-before functx's import (the functional collectives), for the same reason as its entry, and
-for the ATen operators whose forward formula torch gets wrong (`ad/aten_forward_rules.py`:
-`mse_loss_backward`, shadowed from the first forward transform on; without a tangent
-torch's own kernel runs), and the kernels `core/lazy_bits.py` registers at torch's
-Conjugate and Negative keys for a few out-of-place arithmetic ops from the first transform
-on (beside a level tensor, a plain operand's lazy conjugate view goes through to the
-level unresolved, and is resolved on the values below, in their autograd and forward-AD
-state; otherwise what torch's fallback does) and at the ZeroTensor key for `mul`, `div`,
-`linalg_cross`, `dot` and `vdot` (beside a level tensor an efficient zero's answer is the
-level's tensor, not a plain one; otherwise torch's answer, checked against it by a test).
+Two kinds of change, each registered by the module it serves (next to its machinery), and
+installed here, once:
+
+- `patch(owner, attribute, replacement, why)`: `owner.attribute` becomes functx's
+  replacement (`Function.apply`, `torch.autograd.backward`, torch.library's autograd kernel
+  maker, the non-reentrant checkpoint generator; dynamo's rule map when dynamo is
+  imported). Installing the same replacement again changes nothing; `undo(entry)` puts
+  torch's original back, `install(entry)` reinstalls it.
+- `kernels(name, make, why, reset)`: kernels functx registers at torch's dispatch keys
+  through a `torch.library.Library` (lazy_bits' Conjugate/Negative/ZeroTensor kernels; the
+  forward-aware autograd kernels of torch.library operators and of the ATen operators whose
+  forward formula torch gets wrong, ad/library_ops.py), made by `make()` once; `undo`
+  destroys the library (torch's kernels answer again) where the maker says how to forget
+  it (`reset`); the forward-aware kernels put into an operator's *own* library (a
+  `custom_op` made before functx's import) go with that operator and are not undone.
+
+The import hook that installs functx's dynamo support when something imports `torch._dynamo`
+is functx's own finder in `sys.meta_path` (`staging/__init__.py`), not a change to torch.
 
 Example:
     >>> import functx
     >>> from functx.core.patches import PATCHES, installed
-    >>> all(installed(entry) for entry in PATCHES)
+    >>> all(installed(entry) for entry in PATCHES if entry.kind == "attribute")
     True
+    >>> sorted(entry.attribute for entry in PATCHES if entry.kind == "attribute")[:2]
+    ['_checkpoint_without_reentrant_generator', 'apply']
 """
 
 from __future__ import annotations
 
-import torch
-import torch.utils.checkpoint as _checkpoint
-from torch._library import autograd as _library_autograd
-
-PATCHES = (
-    (
-        torch.autograd.Function,
-        "apply",
-        "functx/core/custom_function.py",
-        "a Function applied while a transform runs goes to the highest level among its arguments",
-    ),
-    (
-        torch.autograd,
-        "backward",
-        "functx/ad/user_backward.py",
-        ".backward() inside an AD transform raises a clear error (it used to end in torch's "
-        "'backward through the graph a second time')",
-    ),
-    (
-        _library_autograd,
-        "make_autograd_impl",
-        "functx/ad/library_ops.py",
-        "torch.library operators registered later keep their tangents under forward mode",
-    ),
-    (
-        _checkpoint,
-        "_checkpoint_without_reentrant_generator",
-        "functx/ad/checkpointing.py",
-        "the recomputation's detach does not cut functx's wrapped levels (hessian through "
-        "checkpoint was off by ~4); reentrant checkpointing is replaced under transforms "
-        "through core/custom_function.replace_under_transforms",
-    ),
-)
+import dataclasses
+import sys
+from typing import Any, Callable
 
 
-def installed(entry) -> bool:
-    """Whether `entry`'s replacement is in place (its function comes from functx)."""
-    owner, attribute, _, _ = entry
-    value = getattr(owner, attribute)
-    value = getattr(value, "__func__", value)  # a classmethod's function
-    return getattr(value, "__module__", "").startswith("functx.")
+@dataclasses.dataclass(eq=False)
+class Patch:
+    """One change to torch: an attribute replaced (`kind="attribute"`) or kernels registered
+    through a library (`kind="kernels"`, `attribute` names them, `make` registers them and
+    returns the library)."""
+
+    kind: str
+    owner: Any
+    attribute: str
+    replacement: Any
+    why: str
+    installed_by: str
+    original: Any = None
+    make: Callable | None = None
+    reset: Callable | None = None
+    library: Any = None
 
 
-__all__ = ["PATCHES", "installed"]
+PATCHES: list = []
+
+
+def _caller_module() -> str:
+    return sys._getframe(2).f_globals.get("__name__", "?")  # who called patch() / kernels()
+
+
+def _find(owner, attribute):
+    for entry in PATCHES:
+        if entry.owner is owner and entry.attribute == attribute:
+            return entry
+    return None
+
+
+def patch(owner, attribute: str, replacement, why: str):
+    """Replace `owner.attribute` by `replacement`, once (registered in `PATCHES`); returns
+    torch's original. Calling it again with the same replacement changes nothing."""
+    entry = _find(owner, attribute)
+    if entry is None:
+        entry = Patch("attribute", owner, attribute, replacement, why, _caller_module(), _current(owner, attribute))
+        PATCHES.append(entry)
+    elif entry.replacement is not replacement:
+        raise RuntimeError(f"functx: {attribute} is patched twice, by {entry.installed_by} and {_caller_module()}")
+    install(entry)
+    return entry.original
+
+
+def kernels(name: str, make: Callable, why: str, reset: Callable | None = None):
+    """Register kernels at torch's dispatch keys, once under `name`: `make()` registers them
+    and returns the `torch.library.Library` holding them (more kernels may go into it
+    later); `reset()`, if given, makes the maker's module forget them when undone."""
+    entry = _find(None, name)
+    if entry is None:
+        entry = Patch("kernels", None, name, None, why, _caller_module(), make=make, reset=reset)
+        PATCHES.append(entry)
+    install(entry)
+    return entry.library
+
+
+def _current(owner, attribute):
+    """What `owner.attribute` holds (a class's own entry: a classmethod, not a bound method)."""
+    if isinstance(owner, type) and attribute in vars(owner):
+        return vars(owner)[attribute]
+    return getattr(owner, attribute)
+
+
+def install(entry: Patch) -> None:
+    """Put `entry`'s change in place (nothing if it is)."""
+    if entry.kind == "attribute":
+        if _current(entry.owner, entry.attribute) is not entry.replacement:
+            setattr(entry.owner, entry.attribute, entry.replacement)
+    elif entry.library is None:
+        entry.library = entry.make()
+
+
+def undo(entry: Patch) -> None:
+    """torch's own again: the original attribute, or the library's kernels destroyed."""
+    if entry.kind == "attribute":
+        setattr(entry.owner, entry.attribute, entry.original)
+        return
+    if entry.reset is None:
+        raise RuntimeError(f"functx: the kernels '{entry.attribute}' cannot be undone (they live in other libraries)")
+    if entry.library is not None:
+        entry.library._destroy()
+        entry.library = None
+        entry.reset()
+
+
+def installed(entry: Patch) -> bool:
+    """Whether `entry`'s change is in place."""
+    if entry.kind == "attribute":
+        return _current(entry.owner, entry.attribute) is entry.replacement
+    return entry.library is not None
+
+
+__all__ = ["PATCHES", "Patch", "install", "installed", "kernels", "patch", "undo"]

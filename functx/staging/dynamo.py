@@ -42,6 +42,7 @@ from torch._dynamo.variables.builder import SourcelessBuilder, wrap_fx_proxy
 from torch._dynamo.variables.higher_order_ops import make_attr, speculate_subgraph
 
 from ..ad import forward, reverse
+from ..core.patches import patch
 from ..functionalize import api as functionalize_api
 from ..nn.functional_call import _merge_dicts
 from ..vmap import api as vmap_api
@@ -361,5 +362,11 @@ class _RuleMapWithFunctx:
 def _keep_rules():
     current = trace_rules.get_torch_obj_rule_map
     if not isinstance(current, _RuleMapWithFunctx):
-        current = trace_rules.get_torch_obj_rule_map = _RuleMapWithFunctx(current)
+        current = _RuleMapWithFunctx(current)
+        patch(
+            trace_rules,
+            "get_torch_obj_rule_map",
+            current,
+            "dynamo's rule map keeps functx's entries (transform calls staged whole) when torch rebuilds it",
+        )
     current.cache_clear()

@@ -1,52 +1,111 @@
-"""functx/core/patches.py names every change functx makes to torch, and each is in place."""
+"""functx/core/patches.py names every change functx makes to torch, each is in place, once,
+and can be undone where it can be."""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
-import functx  # noqa: F401  (installs the patches)
-from functx.core.patches import PATCHES, installed
+import pytest
+import torch
+
+import functx
+from functx.core.patches import PATCHES, install, installed, patch
 
 ROOT = pathlib.Path(functx.__file__).parent
 
 
-def test_every_listed_patch_is_installed():
+def _run(script: str) -> list:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_every_registered_change_is_installed():
+    functx.vmap(torch.sin)(torch.ones(2))  # the kernels come with the first transform
+    functx.jvp(torch.sin, (torch.ones(2),), (torch.ones(2),))
+    attributes = {entry.attribute for entry in PATCHES if entry.kind == "attribute"}
+    assert {"apply", "backward", "make_autograd_impl", "_checkpoint_without_reentrant_generator"} <= attributes
+    assert any(entry.kind == "kernels" and "lazy" in entry.attribute for entry in PATCHES)
     for entry in PATCHES:
-        assert installed(entry), entry[:3]
+        assert installed(entry), entry.attribute
+        assert entry.why and entry.installed_by.startswith("functx."), entry
+
+
+def test_installing_again_changes_nothing():
+    before = [(entry, entry.library) for entry in PATCHES]
+    for entry in PATCHES:
+        install(entry)
+        if entry.kind == "attribute":  # the registering call again: same entry, same object
+            patch(entry.owner, entry.attribute, entry.replacement, entry.why)
+    assert [(entry, entry.library) for entry in PATCHES] == before
+    assert torch.autograd.backward.__module__ == "functx.ad.user_backward"
+
+
+def test_a_second_replacement_of_one_attribute_is_refused():
+    with pytest.raises(RuntimeError, match="patched twice"):
+        patch(torch.autograd, "backward", lambda *a, **k: None, "a test")
+
+
+def test_undo_gives_torch_its_own_back_and_install_puts_functx_back():
+    """In a fresh process: every attribute back to torch's object, lazy_bits' kernels gone
+    (torch's Conjugate fallback again), then functx's back; the transforms still right."""
+    script = (
+        "import torch, functx\n"
+        "from functx.core.patches import PATCHES, install, installed, undo\n"
+        "functx.vmap(torch.sin)(torch.ones(2))\n"
+        "conj = lambda: [l for l in torch._C._dispatch_dump_table('aten::mul.Tensor').splitlines() if l.startswith('Conjugate')][0]\n"
+        "undoable = [e for e in PATCHES if e.kind == 'attribute' or e.reset is not None]\n"
+        "for e in undoable: undo(e)\n"
+        "print(all(not installed(e) for e in undoable), 'backend fallback' in conj(),\n"
+        "      torch.autograd.backward.__module__ == 'torch.autograd',\n"
+        "      torch.autograd.Function.apply.__func__.__module__ == 'torch.autograd.function')\n"
+        "for e in undoable: install(e)\n"
+        "x = torch.tensor([1.0 + 2.0j])\n"
+        "print(all(installed(e) for e in PATCHES), 'backend fallback' not in conj(),\n"
+        "      torch.allclose(functx.grad(lambda v: (v * v.conj()).real.sum())(torch.tensor([3.0])), torch.tensor([6.0])))\n"
+    )
+    assert _run(script) == ["True"] * 7
 
 
 def _assignments_to_torch(tree):
-    """`torch.x.y = ...` and `<module alias>.attr = ...` at module level of a file."""
+    """`torch.x.y = ...`, `setattr(torch..., ...)` and `<torch module alias>.attr = ...`
+    anywhere in a file (module level or inside functions)."""
     aliases = {"torch"}
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             aliases |= {a.asname or a.name for a in node.names if a.name.startswith("torch")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             aliases |= {a.asname or a.name for a in node.names}
-    for node in tree.body:
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Attribute):
-                    root = target
-                    while isinstance(root, ast.Attribute):
-                        root = root.value
-                    if isinstance(root, ast.Name) and root.id in aliases:
-                        yield target.attr
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute):
+                root = target
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in aliases:
+                    yield target.attr, node.lineno
 
 
-def test_no_module_patches_torch_outside_the_list():
-    """A new module-level assignment to a torch attribute must be listed in patches.py."""
-    listed = {attribute for _, attribute, _, _ in PATCHES}
+def test_no_module_patches_torch_outside_the_registry():
+    """An assignment to a torch attribute (anywhere in functx/) must go through
+    core/patches.patch; a torch.library.Library made by a module that registers no kernels
+    through core/patches.kernels is an unlisted change too."""
     for path in ROOT.rglob("*.py"):
-        for attribute in _assignments_to_torch(ast.parse(path.read_text())):
-            assert attribute in listed, f"{path.relative_to(ROOT)} patches torch's {attribute}: list it in core/patches.py"
+        source = path.read_text()
+        for attribute, line in _assignments_to_torch(ast.parse(source)):
+            raise AssertionError(f"{path.relative_to(ROOT)}:{line} assigns torch's {attribute}: use core/patches.patch")
+        if "torch.library.Library(" in source and path.name != "patches.py":
+            assert "kernels(" in source, f"{path.relative_to(ROOT)} makes a torch.library.Library outside core/patches.kernels"
+
+
+def test_the_source_check_sees_an_assignment():
+    tree = ast.parse("import torch.utils.checkpoint as c\ndef f():\n    c.x = 1\n    torch.autograd.y = 2\n")
+    assert [a for a, _ in _assignments_to_torch(tree)] == ["x", "y"]
 
 
 def test_conjugate_kernels_are_installed_at_the_first_transform_only():
     """core/lazy_bits.py leaves torch's Conjugate fallback alone until a transform runs (a
     plain conj-view product pays ~6 µs more through its kernel), then registers once."""
-    import subprocess
-    import sys
-
     script = (
         "import torch, functx\n"
         "table = lambda: [l for l in torch._C._dispatch_dump_table('aten::mul.Tensor').splitlines() if l.startswith('Conjugate')][0]\n"
@@ -55,8 +114,7 @@ def test_conjugate_kernels_are_installed_at_the_first_transform_only():
         "after = table()\n"
         "print('backend fallback' in before, 'backend fallback' not in after)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "True"]
+    assert _run(script) == ["True", "True"]
 
 
 _ZERO_GRID = r'''
@@ -100,10 +158,6 @@ def test_zero_tensor_kernels_answer_as_torchs_own_outside_levels():
     replace torch's from the first transform on: away from level tensors they answer what
     torch's answered (shape, dtype, device, an efficient zero or div's inf/NaN, the same
     errors), and installing them warns nothing."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _ZERO_GRID], capture_output=True, text=True, check=True).stdout.split()
-    differing, answered, zeros = map(int, out)
+    differing, answered, zeros = map(int, _run(_ZERO_GRID))
     assert differing == 0
     assert answered >= 20 and zeros >= 15  # the grid reaches results, not only errors
