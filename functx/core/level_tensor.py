@@ -269,9 +269,13 @@ def _dispatch_with_dead_levels(op, args, kwargs):
             if isinstance(t, LevelTensor) and not t._interp.alive:
                 if dead is None or t._interp.level > dead.level:
                     dead = t._interp
-    values = tuple(unwrap_dead(a) for a in args)
-    kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
     with torch._C._RestorePythonTLSSnapshot():
+        # what the dead wrappers stand for, taken with autograd restored too: vmap's one
+        # element of an expanded input (`value[0]`) keeps its graph to the caller's tensor
+        # (taken below autograd it had none: an escaped slice of a parameter the caller
+        # tracks lost its derivative, where torch.func's escaped slice keeps it)
+        values = tuple(unwrap_dead(a) for a in args)
+        kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
         # In the forward-AD state of the values, as every level's rule one level down
         # (core/dual_values.py): a `vjp_fn` called with a cotangent of a live level over a jvp
         # on values runs its backward under `at_wrappers` (forward AD off for those wrappers),

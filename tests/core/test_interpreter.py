@@ -91,8 +91,9 @@ def test_an_escaped_unbatched_input_of_vmap_grad_stands_for_its_value(store, req
     DeadLevelError in functx and is the plain value in torch.func. Every element of such a
     view is the same memory, so it stands for that value; a value computed from it (`p * 3`)
     has every element equal and a graph to the finished level's leaf only: it stands for
-    its value too. (What escapes carries no graph to the caller's `p` even where p requires
-    grad, where torch.func's keeps one: a known difference.)"""
+    its value too. Where p requires grad, what escaped keeps its graph to the caller's p, as
+    torch.func's does: the caller's gradient through it equals plain autograd's on `make(p)`
+    (it had no graph: "element 0 of tensors does not require grad")."""
     stored = {}
     make = {
         "slice": lambda p: p[0:2],
@@ -116,6 +117,11 @@ def test_an_escaped_unbatched_input_of_vmap_grad_stands_for_its_value(store, req
     expected = make(p.detach())
     torch.testing.assert_close(stored["w"] * 2, expected * 2, equal_nan=True)
     assert stored["w"].shape == expected.shape
+    if requires_grad:
+        weights = torch.linspace(0.5, 1.5, expected.numel()).reshape(expected.shape)
+        (got,) = torch.autograd.grad(torch.nan_to_num(stored["w"] * weights).sum(), p)
+        (want,) = torch.autograd.grad(torch.nan_to_num(make(p) * weights).sum(), p)
+        torch.testing.assert_close(got, want)
     assert current_stack() == ()
 
 
