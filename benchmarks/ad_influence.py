@@ -72,14 +72,14 @@ class Problem:
 
 def per_sample_gradients(T, problem):
     loss = problem.loss(T)
-    one = lambda p, x, y: loss(p, x[None], y[None])  # noqa: E731
+    one = lambda p, x, y: loss(p, x[None], y[None])
     return T.vmap(T.grad(one), in_dims=(None, 0, 0))(problem.flat, problem.x_test, problem.y_test)
 
 
 def cg_inverse_hvps(T, problem, vectors):
     """dattri's ihvp_at_x_cg (mode rev-rev): vjp of the gradient once, CG under vmap."""
     loss = problem.loss(T)
-    train_loss = lambda p: loss(p, problem.x_train, problem.y_train)  # noqa: E731
+    train_loss = lambda p: loss(p, problem.x_train, problem.y_train)
     _, vjp_fn = T.vjp(T.grad(train_loss), problem.flat)
 
     def hvp(v):

@@ -204,9 +204,9 @@ def run(quick=False, rounds=None, memory=False, only=None):
             heavy = name == "embedding"  # vmap's dense (64, 50k, 128) gradients: ~2 s a step
             timings = interleaved(calls, rounds=rounds or (2 if quick or heavy else 8), block_seconds=0.05, warmup_calls=1)
         med = {c: timings.median(c) * 1e3 for c in calls}
-        ratio = lambda a, b: timings.paired_ratio(a, b) if b in calls else None  # noqa: E731
+        ratio = lambda a, b: timings.paired_ratio(a, b) if b in calls else None
         mem = {c: peak_memory_mib(name, c) for c in calls} if memory else {}
-        fmt = lambda v, unit="x": "—" if v is None else (f"{v:.2f}x" if unit == "x" else f"{v:.1f}")  # noqa: E731
+        fmt = lambda v, unit="x": "—" if v is None else (f"{v:.2f}x" if unit == "x" else f"{v:.1f}")
         rows.append(
             [
                 name,

@@ -44,7 +44,7 @@ def _per_sample(lib):
     torch.manual_seed(1)
     x, y = torch.randn(64, ad_per_sample_grads.MLP_SIZES[0]), torch.randint(0, 10, (64,))
     loss = ad_per_sample_grads.sample_loss(ad_per_sample_grads.mlp)
-    step = lambda params, x, y: lib.vmap(lib.grad(loss), in_dims=(None, 0, 0))(params, x, y)  # noqa: E731
+    step = lambda params, x, y: lib.vmap(lib.grad(loss), in_dims=(None, 0, 0))(params, x, y)
     return step, (ad_per_sample_grads.mlp_params(), x, y)
 
 

@@ -40,7 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 import torch
 import torch.func
-import torch.nn.functional as F
 
 import ad_jacobians
 import ad_maml
@@ -275,7 +274,7 @@ def run(quick=False, n_threads=1, only=None, cpp_wrapper=False):
             calls = {name: (lambda fn=fn, args=args: _block(fn(*args))) for name, (fn, args) in contenders.items()}
             timings = interleaved(calls, rounds=6 if quick else 30)
             med = {name: timings.median(name) for name in calls}
-            ratio = lambda a, b: timings.paired_median(lambda x, y: x / y, a, b)  # noqa: E731
+            ratio = lambda a, b: timings.paired_median(lambda x, y: x / y, a, b)
             has_jax = "jax.jit" in calls
             rows.append(
                 [

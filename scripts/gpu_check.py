@@ -92,7 +92,7 @@ def part(title: str):
         try:
             fn()
             outcome = "done"
-        except Exception:  # noqa: BLE001: a failing part is a finding, reported whole
+        except Exception:  # noqa: BLE001 (a failing part is a finding, reported whole)
             say("```\n" + traceback.format_exc()[-4000:] + "```")
             outcome = "FAILED"
         say(f"\n({outcome} in {time.perf_counter() - start:.1f} s)")
@@ -177,7 +177,7 @@ def timings(rounds: int) -> None:
     for name in dp_sgd.WORKLOADS:
         try:
             rows.append(dp_row(dp_sgd, interleaved, name, rounds))
-        except Exception as error:  # noqa: BLE001: one workload's failure is reported, the rest run
+        except Exception as error:  # noqa: BLE001 (one workload's failure is reported, the rest run)
             rows.append([f"DP-SGD step, {name}: FAILED, {type(error).__name__}: {str(error)[:200]}", "", "", "", "", ""])
     for batch in (64, 1024):
         torch.manual_seed(0)

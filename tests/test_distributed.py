@@ -221,7 +221,7 @@ def _dp_sgd(rank, world_size):
     big = nn.Linear(150, 100).to(DT)
     torch.manual_seed(2)
     x = torch.randn(GLOBAL_BATCH, 150, dtype=DT)[slice(*SLICES[rank])]
-    zero_loss = lambda out, y: out.sum(1) * 0.0  # noqa: E731
+    zero_loss = lambda out, y: out.sum(1) * 0.0
     noise, _ = functx.distributed.clipped_grad(
         big, zero_loss, x, None, max_norm=MAX_NORM, noise_multiplier=SIGMA, generator=noise_generator(7)
     )
@@ -502,7 +502,7 @@ def _collectives(rank, world_size):
         result["jvp_sin"] = functx.jvp(lambda v: torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4], (x[0],), (t,))[1]
         result["vmap_jvp"] = functx.vmap(lambda v, tv: functx.jvp(ops["all_gather"], (v,), (tv,))[1])(x, x.cos())
         result["jacfwd_all_gather"] = functx.jacfwd(ops["all_gather"])(x[0, :2, 0])
-        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()  # noqa: E731
+        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()
         result["hessian"] = functx.hessian(smooth)(x[0, :, 0])
         result["jacrev_jacrev"] = functx.jacrev(functx.jacrev(smooth))(x[0, :, 0])
         # coalesced forms: a batched and an unbatched tensor in one collective
@@ -537,7 +537,7 @@ def _collectives(rank, world_size):
             if name in ("all_reduce", "all_gather", "reduce_scatter"):
                 out_shape = [{"all_reduce": shape[0], "all_gather": shape[0] * world_size}.get(name, shape[0] // world_size), *shape[1:]]
                 weights = _data(30, *out_shape)
-                loss = lambda t: (f(t) * weights).sum()  # noqa: E731
+                loss = lambda t: (f(t) * weights).sum()
                 torch.testing.assert_close(
                     functx.vmap(functx.grad(loss), in_dims=in_dim)(sample), _autograd_loop(loss, sample.movedim(in_dim, 0))
                 )
@@ -547,7 +547,7 @@ def _collectives(rank, world_size):
     assert not loops, f"a collective ran once per sample: {loops[0]}"
     with warnings.catch_warnings():  # torch's double backward of a collective: vmap runs it once per sample
         warnings.simplefilter("ignore", functx.PerformanceWarning)
-        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()  # noqa: E731
+        smooth = lambda v: (torch.sin(funcol.all_reduce(v, "sum", group)) * w[:4, 0]).sum()
         result["vmap_grad_grad"] = functx.vmap(functx.grad(lambda v: functx.grad(smooth)(v).sum()))(x[:, :, 0])
     try:  # max is not linear, and torch refuses the backward of all_reduce(max): no tangent but an error
         with warnings.catch_warnings():

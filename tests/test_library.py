@@ -43,7 +43,7 @@ def _numpy_sin_vmap(info, in_dims, x):
 
 def test_custom_op_under_grad_at_every_level():
     x = torch.randn(3, 4, dtype=D)
-    loss = lambda v: numpy_sin(v).sum()  # noqa: E731
+    loss = lambda v: numpy_sin(v).sum()
     torch.testing.assert_close(functx.grad(loss)(x), x.cos())
     torch.testing.assert_close(functx.grad(lambda v: functx.grad(loss)(v).sum())(x), -x.sin())
     torch.testing.assert_close(functx.vmap(functx.grad(loss))(x), x.cos())

@@ -199,7 +199,7 @@ def test_vmap_none_inside_a_container_is_a_leaf(kind):
 
 def test_vmap_chunked_container_outputs():
     x = rand(7, 3)
-    f = lambda t: TorchPair(t.sin(), TorchPoint(t.sum(), t * 2))  # noqa: E731
+    f = lambda t: TorchPair(t.sin(), TorchPoint(t.sum(), t * 2))
     ours = functx.vmap(f, chunk_size=3, out_dims=TorchPair(0, TorchPoint(0, 1)))(x)
     theirs = torch.func.vmap(f, chunk_size=3, out_dims=TorchPair(0, TorchPoint(0, 1)))(x)
     assert_tree_close(ours, theirs, torch_structure=True)
@@ -207,7 +207,7 @@ def test_vmap_chunked_container_outputs():
 
 def test_vmap_mismatched_structures_raise_as_torch_func():
     x, w = rand(3, 2), rand(2)
-    f = lambda p: p.a * p.b  # noqa: E731
+    f = lambda p: p.a * p.b
     for args, in_dims in [((TorchPair(x, w),), ((0, None),)), (((x, w),), (TorchPair(0, None),))]:
         with pytest.raises(ValueError, match="in_dims is not compatible with the structure of `inputs`"):
             torch.func.vmap(f, in_dims=in_dims)(*args)
@@ -364,7 +364,7 @@ def test_jacrev_jacfwd_nest_output_over_input(kind):
         x, y = parts(p)
         return make(x.sin() * y, (x * y).sum())
 
-    flat_f = lambda x, y: parts(f(make(x, y)))  # noqa: E731
+    flat_f = lambda x, y: parts(f(make(x, y)))
     J = torch.autograd.functional.jacobian(flat_f, (a, b))
     expected = make(make(*J[0]), make(*J[1]))  # output structure outside, input inside
     for jac in (functx.jacrev, functx.jacfwd):
@@ -435,7 +435,7 @@ def test_jvp_tangents_as_the_container(kind):
 
 def test_jvp_has_aux_container():
     a, t = rand(3), rand(3)
-    f = lambda x: (x.sin(), TorchPair(x * 2, TorchPoint(x, x.sum())))  # noqa: E731
+    f = lambda x: (x.sin(), TorchPair(x * 2, TorchPoint(x, x.sum())))
     ours = functx.jvp(f, (a,), (t,), has_aux=True)
     theirs = torch.func.jvp(f, (a,), (t,), has_aux=True)
     assert_tree_close(ours, theirs, torch_structure=True)

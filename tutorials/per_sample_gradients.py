@@ -322,7 +322,7 @@ def compare_dp_routes(model, images, labels, clip):
     print(f"  time, vmap(grad) + clip       : {t_recipe * 1e3:7.1f} ms")
     print(f"  time, functx.dp.clipped_grad: {t_dp * 1e3:7.1f} ms   (speed-up {t_recipe / t_dp:.1f}x)")
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
-    loss_of_one = lambda p, x, y: F.cross_entropy(functx.functional_call(mlp, p, (x[None],)), y[None])  # noqa: E731
+    loss_of_one = lambda p, x, y: F.cross_entropy(functx.functional_call(mlp, p, (x[None],)), y[None])
     mlp_params = {k: v.detach() for k, v in mlp.named_parameters()}
 
     def mlp_recipe():

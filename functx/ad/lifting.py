@@ -31,7 +31,6 @@ refuses those writes while the function runs.
 
 from __future__ import annotations
 
-import optree
 import torch
 from torch.overrides import TorchFunctionMode
 

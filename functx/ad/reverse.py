@@ -217,7 +217,7 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
     shaped `output.shape + input.shape`), and the input structure."""
     total = sum(o.numel() for o in flat_out)
     step = max(total, 1) if chunk_size is None else chunk_size
-    one_vjp = lambda *cot: vjp_fn(pytree.tree_unflatten(out_spec, list(cot)))  # noqa: E731
+    one_vjp = lambda *cot: vjp_fn(pytree.tree_unflatten(out_spec, list(cot)))
     flat_in, in_spec = None, None
     if total == 0:  # no rows: one VJP of the (empty) outputs gives the inputs' shapes
         with functx_code():

@@ -116,7 +116,7 @@ def test_mse_loss_third_order_and_plain_double_backward():
     """The rule's tangent stays differentiable (grad of jvp(grad)); plain torch double
     backward through the shadowed kernel is unchanged."""
     X, y, W, V, _ = _data(2)
-    loss = lambda w: F.mse_loss(torch.tanh(X @ w), y)  # noqa: E731
+    loss = lambda w: F.mse_loss(torch.tanh(X @ w), y)
     third = functx.grad(lambda w: functx.jvp(functx.grad(loss), (w,), (V,))[1].sum())(W)
     w = W.clone().requires_grad_()
     (g,) = torch.autograd.grad(loss(w), w, create_graph=True)
@@ -307,6 +307,6 @@ def test_solve_reverse_over_forward(case):
     (expected,) = torch.autograd.grad((jvp_by_autograd(leaf) * cotangent).sum(), leaf)
     torch.testing.assert_close(got, expected)
     eps = 1e-6
-    scalar = lambda a: (functx.jvp(f, (a,), (v,))[1] * cotangent).sum()  # noqa: E731
+    scalar = lambda a: (functx.jvp(f, (a,), (v,))[1] * cotangent).sum()
     differences = torch.stack([(scalar(x + eps * e) - scalar(x - eps * e)) / (2 * eps) for e in torch.eye(3, dtype=DOUBLE)])
     torch.testing.assert_close(got, differences, atol=1e-6, rtol=1e-6)

@@ -18,8 +18,8 @@ X0 = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(1))
 def aux_of(T, api, aux):
     """Call transform `api` of module T (functx or torch.func) on a function returning `aux`."""
     x = X0.clone()
-    scalar = lambda x: (x.sin().sum(), aux)  # noqa: E731
-    vector = lambda x: (x.sin(), aux)  # noqa: E731
+    scalar = lambda x: (x.sin().sum(), aux)
+    vector = lambda x: (x.sin(), aux)
     if api == "grad":
         return T.grad(scalar, has_aux=True)(x)[1]
     if api == "grad_and_value":
@@ -53,7 +53,7 @@ def test_non_tensor_aux_is_refused_as_torch_func_does(api, aux):
     transform = {"grad": "grad_and_value", "vmap(grad)": "grad_and_value"}.get(api, api)
     assert str(ours.value).startswith(transform)
     assert "with has_aux=True: aux must be tensors or pytrees of tensors (got " in str(ours.value)
-    assert f" at aux" in str(ours.value)
+    assert " at aux" in str(ours.value)
 
 
 @pytest.mark.parametrize("api", APIS)

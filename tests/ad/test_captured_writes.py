@@ -517,19 +517,19 @@ def test_a_write_into_a_differentiated_input_is_refused(case):
     x = torch.randn(3, dtype=D)
     if case == "caller requires grad":
         x.requires_grad_()
-        run = lambda: functx.grad(lambda v: v.mul_(2).sum())(x)  # noqa: E731
+        run = lambda: functx.grad(lambda v: v.mul_(2).sum())(x)
     elif case == "a view, grad(grad) with a closure":
-        inner = lambda y: (y[1:].mul_(2), torch.sin(y))[1].sum()  # noqa: E731
-        run = lambda: functx.grad(lambda a: functx.grad(inner)(a * a).sum())(x)  # noqa: E731
+        inner = lambda y: (y[1:].mul_(2), torch.sin(y))[1].sum()
+        run = lambda: functx.grad(lambda a: functx.grad(inner)(a * a).sum())(x)
     elif case == "vjp(vjp) with a closure":
 
         def outer(a):
             _, fn = functx.vjp(lambda y: torch.sin(y.mul_(2)), a * (1 + 0.5 * torch.sin(a)))
             return fn(torch.ones(3, dtype=D))[0]
 
-        run = lambda: functx.vjp(outer, x)  # noqa: E731
+        run = lambda: functx.vjp(outer, x)
     else:
-        run = lambda: functx.grad(lambda a: functx.grad(lambda y: torch.sin(y.mul_(2)).sum())(a * a).sum())(x)  # noqa: E731
+        run = lambda: functx.grad(lambda a: functx.grad(lambda y: torch.sin(y.mul_(2)).sum())(a * a).sum())(x)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place operation"):
         run()
     assert current_stack() == ()

@@ -80,7 +80,7 @@ def test_straight_through_estimator_follows_the_custom_rule_at_every_level():
     x, w = x_and_w()
     xs = torch.stack([x, -0.5 * x, x + 3])
     custom = (x.abs() <= 2).to(D)
-    loss = lambda v: (SignSTE.apply(v) * w).sum()  # noqa: E731
+    loss = lambda v: (SignSTE.apply(v) * w).sum()
     torch.testing.assert_close(functx.grad(loss)(x), w * custom)
     torch.testing.assert_close(functx.vjp(SignSTE.apply, x)[1](w)[0], w * custom)
     torch.testing.assert_close(functx.jvp(SignSTE.apply, (x,), (w,))[1], w * custom)
@@ -88,7 +88,7 @@ def test_straight_through_estimator_follows_the_custom_rule_at_every_level():
     torch.testing.assert_close(functx.jacfwd(SignSTE.apply)(x), torch.diag(custom))
     per_sample = torch.stack([w * (s.abs() <= 2).to(D) for s in xs])
     torch.testing.assert_close(functx.vmap(functx.grad(loss))(xs), per_sample)  # vmap(grad)
-    batched_loss = lambda v: (functx.vmap(SignSTE.apply)(v) * w).sum()  # noqa: E731
+    batched_loss = lambda v: (functx.vmap(SignSTE.apply)(v) * w).sum()
     torch.testing.assert_close(functx.grad(batched_loss)(xs), per_sample)  # grad(vmap)
     # d/dx of x * STE(x): sign(x) + x * custom; then the derivative of that w.r.t. x again
     first = functx.grad(lambda v: (v * SignSTE.apply(v)).sum())
@@ -100,7 +100,7 @@ def test_straight_through_estimator_follows_the_custom_rule_at_every_level():
 
 def test_hessian_jacobians_and_plain_autograd_on_a_true_derivative():
     x, _ = x_and_w(4)
-    f = lambda v: Cube.apply(v, 2.0)  # noqa: E731
+    f = lambda v: Cube.apply(v, 2.0)
     torch.testing.assert_close(functx.jacrev(f)(x), torch.diag(6 * x**2))
     torch.testing.assert_close(functx.jacfwd(f)(x), torch.diag(6 * x**2))
     torch.testing.assert_close(functx.hessian(lambda v: f(v).sum())(x), torch.diag(12 * x))
@@ -115,7 +115,7 @@ def test_forward_that_leaves_torch_is_never_traced():
     """numpy in forward: every transform must run the forward on plain tensors only."""
     x = torch.randn(3, 4, dtype=D)
     y = torch.tanh(x)
-    loss = lambda v: NumpyTanh.apply(v).sum()  # noqa: E731
+    loss = lambda v: NumpyTanh.apply(v).sum()
     torch.testing.assert_close(functx.grad(loss)(x), 1 - y**2)
     torch.testing.assert_close(functx.vmap(functx.grad(loss))(x), 1 - y**2)
     torch.testing.assert_close(functx.grad(lambda v: functx.vmap(NumpyTanh.apply)(v).sum())(x), 1 - y**2)
@@ -161,7 +161,7 @@ def test_once_differentiable_backward():
     torch.testing.assert_close(functx.vmap(functx.grad(lambda v: OnceDifferentiableExp.apply(v).sum()))(x[None]), x.exp()[None])
     # Its backward runs under no_grad, so a second derivative sees a constant: zeros, as
     # with torch.func (plain torch.autograd.grad raises "does not require grad" instead).
-    second = lambda lib: lib.grad(lambda v: lib.grad(lambda u: OnceDifferentiableExp.apply(u).sum())(v).sum())(x)  # noqa: E731
+    second = lambda lib: lib.grad(lambda v: lib.grad(lambda u: OnceDifferentiableExp.apply(u).sum())(v).sum())(x)
     torch.testing.assert_close(second(functx), second(tf))
 
 
@@ -176,7 +176,7 @@ def test_jvp_without_a_jvp_staticmethod_is_a_clear_error():
 def test_old_style_function_under_grad_and_vjp():
     x, w = x_and_w()
     custom = (x.abs() <= 2).to(D)
-    loss = lambda v: (OldStyleSTE.apply(v) * w).sum()  # noqa: E731
+    loss = lambda v: (OldStyleSTE.apply(v) * w).sum()
     torch.testing.assert_close(functx.grad(loss)(x), w * custom)
     torch.testing.assert_close(functx.vjp(OldStyleSTE.apply, x)[1](w)[0], w * custom)
     xs = torch.stack([x, x * 0.3])
@@ -192,7 +192,7 @@ def test_in_place_function_marked_dirty():
     from tests.autograd_functions import AddOneInPlace
 
     x = torch.randn(2, 3, dtype=D)
-    f = lambda v: AddOneInPlace.apply(v * 1.0) * v  # noqa: E731
+    f = lambda v: AddOneInPlace.apply(v * 1.0) * v
     torch.testing.assert_close(functx.vmap(f)(x), (x + 1) * x)
     torch.testing.assert_close(functx.grad(lambda v: f(v).sum())(x), 2 * x + (x + 1))  # custom: 2
     torch.testing.assert_close(functx.vmap(functx.grad(lambda v: f(v).sum()))(x), 2 * x + (x + 1))
@@ -256,9 +256,9 @@ def test_tensors_inside_containers_match_torch_func(name, argnum, container):
     pack = (lambda a, b: [a, b]) if container == "list" else (lambda a, b: {"ab": (a, b)})
 
     def fs(api):
-        f = lambda a, b, w: _ScaleContainer.apply(pack(a, b), w)  # noqa: E731
-        total = lambda a, b, w: (f(a, b, w) ** 2).sum()  # noqa: E731
-        one_arg = lambda v: f(v, b, w) if argnum == 0 else f(a, b, v)  # noqa: E731
+        f = lambda a, b, w: _ScaleContainer.apply(pack(a, b), w)
+        total = lambda a, b, w: (f(a, b, w) ** 2).sum()
+        one_arg = lambda v: f(v, b, w) if argnum == 0 else f(a, b, v)
         return {
             "grad": lambda: api.grad(total, argnums=argnum)(a, b, w),
             "vjp": lambda: api.vjp(one_arg, (a, b, w)[argnum])[1](torch.ones_like(a)),
@@ -376,7 +376,7 @@ def test_old_style_function_writing_its_input_under_nested_derivatives():
     autograd: right, against torch.autograd.functional.hessian); where a level wraps (a
     vmap around the hessian) the write is refused with a clear error (torch.func refuses
     every old-style Function)."""
-    f = lambda t: (_OldStyleInPlace.apply(t * 1.0) ** 3).sum()  # noqa: E731
+    f = lambda t: (_OldStyleInPlace.apply(t * 1.0) ** 3).sum()
     x = torch.tensor([0.5, -1.5], dtype=torch.float64)
     expected = torch.autograd.functional.hessian(f, x)
     torch.testing.assert_close(functx.hessian(f)(x), expected)
@@ -422,7 +422,7 @@ class _NumpyMulSin(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, x, y):
-        batch = lambda t, d: t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)  # noqa: E731
+        batch = lambda t, d: t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
         x, y = batch(x, in_dims[0]), batch(y, in_dims[1])
         return _NumpyMulSin.apply(x, y), 0
 
@@ -461,7 +461,7 @@ def test_numpy_forward_function_under_two_ad_levels(name):
     tangent. Reference: the same math in plain torch, torch.autograd.grad with create_graph."""
     g = torch.Generator().manual_seed(3)
     x, t = torch.randn(4, dtype=D, generator=g), torch.randn(4, dtype=D, generator=g)
-    f = lambda v: torch.sin(_NumpyMulSin.apply(v, 2 * v)).sum()  # noqa: E731
+    f = lambda v: torch.sin(_NumpyMulSin.apply(v, 2 * v)).sum()
     expected = _plain_hessian(lambda v: torch.sin(_mul_sin(v, 2 * v)).sum(), x) @ t
     torch.testing.assert_close(_SECOND_ORDER[name](f, x, t), expected)
 
@@ -502,7 +502,7 @@ def test_numpy_cube_under_vmap_of_jvp_of_vjp():
 
     g = torch.Generator().manual_seed(0)
     x, u, tx, tu = (torch.rand(2, 1, dtype=D, generator=g) + 0.8 for _ in range(4))
-    vjp_of = lambda x, u: functx.vjp(lambda x: NumpyCube.apply(x)[0], x)[1](u)[0]  # noqa: E731
+    vjp_of = lambda x, u: functx.vjp(lambda x: NumpyCube.apply(x)[0], x)[1](u)[0]
     actual = functx.vmap(lambda *a: functx.jvp(vjp_of, a[:2], a[2:])[1])(x, u, tx, tu)
 
     def plain_vjp(x, u):
@@ -566,15 +566,15 @@ def test_old_style_function_under_forward_over_reverse(name):
     x, t = torch.randn(3, dtype=D, generator=g), torch.randn(3, dtype=D, generator=g)
     transform = _FORWARD_OVER_REVERSE[name]
     if name == "jvp(hessian)":  # a third derivative: d/dt of (H t), against differences
-        plain = lambda v: _plain_hessian(lambda w: torch.sin(_mul_sin(w, 2 * w)).sum(), v) @ t  # noqa: E731
+        plain = lambda v: _plain_hessian(lambda w: torch.sin(_mul_sin(w, 2 * w)).sum(), v) @ t
         expected = (plain(x + 1e-5 * t) - plain(x - 1e-5 * t)) / 2e-5
         tolerance = dict(rtol=1e-6, atol=1e-6)
     else:
         expected = _plain_hessian(lambda w: torch.sin(_mul_sin(w, 2 * w)).sum(), x) @ t
         tolerance = {}
-    with_jvp = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, 2 * v)).sum()  # noqa: E731
+    with_jvp = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, 2 * v)).sum()
     torch.testing.assert_close(transform(with_jvp, x, t), expected, **tolerance)
-    without = lambda v: torch.sin(_OldStyleMulSin.apply(v, 2 * v)).sum()  # noqa: E731
+    without = lambda v: torch.sin(_OldStyleMulSin.apply(v, 2 * v)).sum()
     if name == "jacfwd(jacrev)":
         # the forward level below wraps: it sees the forward's ops (as under grad, the levels
         # below an old-style Function see its forward) and differentiates them
@@ -592,7 +592,7 @@ def test_old_style_function_with_jvp_under_jvp_of_jvp():
     applies it to carriers of the outer one: seen below, and its jvp is the one used there).
     Reference: the second directional derivative by plain torch.autograd."""
     x, t, s = (torch.tensor(v, dtype=D) for v in ([0.3, -0.7, 1.1], [1.0, 0.5, -2.0], [0.2, 1.0, 0.4]))
-    f = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, v))  # noqa: E731
+    f = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, v))
     actual = functx.jvp(lambda v: functx.jvp(f, (v,), (t,))[1], (x,), (s,))[1]
     leaf = x.clone().requires_grad_()
     (d1,) = torch.autograd.grad(torch.sin(_mul_sin(leaf, leaf)).sum(), leaf, create_graph=True)
@@ -610,7 +610,7 @@ def test_a_functions_jvp_may_update_the_tangent_in_place(stack):
     from torch.testing._internal.autograd_function_db import NumpyExp_
 
     x, t, ct = (torch.randn(4, dtype=torch.float64) for _ in range(3))
-    f = lambda v: NumpyExp_.apply(v.clone())  # noqa: E731
+    f = lambda v: NumpyExp_.apply(v.clone())
     if stack == "jvp(vjp)":
         got = functx.jvp(lambda v: functx.vjp(f, v)[1](ct)[0], (x,), (t,))[1]
         expected = ct * torch.exp(x) * t

@@ -65,7 +65,7 @@ def test_closed_over_parameter_keeps_the_graph_like_torch_func():
     requires grad outside, so they leave attached and an outer backward goes through."""
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     x = torch.randn(5, 3, dtype=D)
-    f = lambda x: torch.tanh(x @ w).sum()  # noqa: E731
+    f = lambda x: torch.tanh(x @ w).sum()
     ours = functx.vmap(functx.grad(f))(x)
     assert ours.requires_grad
     (g_ours,) = torch.autograd.grad(ours.pow(2).sum(), w)
@@ -113,7 +113,7 @@ def test_detach_inside_stops_every_level():
     is 0, with or without vmap between the levels."""
     p = torch.randn(3, dtype=D)
     x = torch.randn(4, 3, dtype=D)
-    inner = lambda p, x: ((p * x).detach() * p).sum()  # noqa: E731
+    inner = lambda p, x: ((p * x).detach() * p).sum()
     per_sample = functx.vmap(functx.grad(inner), in_dims=(None, 0))
     assert_close(per_sample(p, x), p * x)
     outer = functx.grad(lambda p: per_sample(p, x).pow(2).sum())(p)
@@ -158,13 +158,13 @@ def test_detach_of_this_levels_tensor_inside_a_nested_grad():
 @pytest.mark.parametrize("depth", ["grad_grad", "grad_vmap_grad", "hessian"])
 def test_nested_inside_the_physical_level(depth):
     x = torch.randn(4, 3, dtype=D)
-    f = lambda v: (v.sin() * v.cos().sum()).sum()  # noqa: E731
+    f = lambda v: (v.sin() * v.cos().sum()).sum()
     if depth == "grad_grad":
-        make = lambda T: T.vmap(T.grad(lambda v: T.grad(f)(v).pow(2).sum()))  # noqa: E731
+        make = lambda T: T.vmap(T.grad(lambda v: T.grad(f)(v).pow(2).sum()))
     elif depth == "grad_vmap_grad":
-        make = lambda T: T.vmap(T.grad(lambda v: T.vmap(T.grad(f))(v.expand(2, 3) * 1.5).sum()))  # noqa: E731
+        make = lambda T: T.vmap(T.grad(lambda v: T.vmap(T.grad(f))(v.expand(2, 3) * 1.5).sum()))
     else:
-        make = lambda T: T.vmap(T.hessian(f))  # noqa: E731
+        make = lambda T: T.vmap(T.hessian(f))
     assert_close(make(functx)(x), make(tf)(x))
 
 
@@ -224,7 +224,7 @@ def test_errors_are_those_of_grad_and_the_stack_is_restored():
 
 def test_in_dims_other_than_zero_and_chunks():
     x = torch.randn(3, 6, dtype=D)
-    f = lambda v: v.exp().sum()  # noqa: E731
+    f = lambda v: v.exp().sum()
     assert_close(functx.vmap(functx.grad(f), in_dims=1, out_dims=1)(x), x.exp())
     assert_close(functx.vmap(functx.grad(f), in_dims=1, chunk_size=4)(x), x.exp().T)
 
@@ -351,7 +351,7 @@ def test_per_sample_jacobians_pytrees_argnums_aux_and_unbatched_inputs():
 
 def test_per_sample_hessians_and_detach_inside():
     x = torch.randn(5, 4, dtype=D)
-    f = lambda v: (v.sin() * v.cos()).sum() + (v**3).prod()  # noqa: E731
+    f = lambda v: (v.sin() * v.cos()).sum() + (v**3).prod()
     assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
     jac = functx.vmap(functx.jacrev(lambda v: v.detach() * v))(x)
     assert_close(jac, torch.diag_embed(x))  # the detached factor is a constant here
@@ -360,7 +360,7 @@ def test_per_sample_hessians_and_detach_inside():
 def test_per_sample_jacobians_keep_the_outside_graph():
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
     x = torch.randn(3, 4, dtype=D)
-    f = lambda v: torch.tanh(w @ v)  # noqa: E731
+    f = lambda v: torch.tanh(w @ v)
     ours = functx.vmap(functx.jacrev(f))(x)
     theirs = tf.vmap(tf.jacrev(f))(x)
     assert ours.requires_grad
@@ -433,7 +433,7 @@ def test_under_two_vmaps_detach_autograd_grad_and_outer_grad():
 
 def test_jacrev_under_two_vmaps_wraps_and_matches():
     x = torch.randn(2, 3, 4, dtype=D)
-    f = lambda v: v.sin() * v.sum()  # noqa: E731
+    f = lambda v: v.sin() * v.sum()
     assert_close(functx.vmap(functx.vmap(functx.jacrev(f)))(x), tf.vmap(tf.vmap(tf.jacrev(f)))(x))
 
 
@@ -448,7 +448,7 @@ def test_per_sample_hessians_through_normalizations(norm):
         "group_norm": lambda v: torch.nn.functional.group_norm(v.view(1, 6, 1), 2, w).view(6),
         "softmax": lambda v: (v * w).softmax(0),
     }
-    f = lambda v: (ops[norm](v) ** 2 * torch.arange(6, dtype=D)).sum()  # noqa: E731
+    f = lambda v: (ops[norm](v) ** 2 * torch.arange(6, dtype=D)).sum()
     x = torch.randn(3, 6, dtype=D)
     assert_close(functx.vmap(functx.hessian(f))(x), tf.vmap(tf.hessian(f))(x))
 
@@ -506,7 +506,7 @@ def test_vmap_of_jvp_uses_the_physical_level_and_restores_it():
 
 def test_detach_inside_vmap_of_jvp_stops_every_level():
     x, t = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
-    f = lambda v: v.detach() * v.sin()  # noqa: E731
+    f = lambda v: v.detach() * v.sin()
     _, tangent = functx.vmap(lambda x, t: functx.jvp(f, (x,), (t,)))(x, t)
     assert_close(tangent, x * x.cos() * t)  # d/dv [c sin v] t, c held constant
     # the outer grad level does not see through the detach either, as without vmap
@@ -520,7 +520,7 @@ def test_detach_inside_vmap_of_jvp_stops_every_level():
 def test_vmap_of_jvp_without_a_forward_formula_falls_back():
     index = torch.tensor([0, 1, 0])
     base = torch.randn(2, 3, dtype=D)
-    f = lambda src: base.index_reduce(0, index, src, "mean").sin()  # noqa: E731
+    f = lambda src: base.index_reduce(0, index, src, "mean").sin()
     src, t = torch.randn(5, 3, 3, dtype=D), torch.randn(5, 3, 3, dtype=D)
     with pytest.warns(functx.PerformanceWarning):
         _, ours = functx.vmap(lambda s, t: functx.jvp(f, (s,), (t,)))(src, t)

@@ -56,7 +56,7 @@ def test_empty_input_or_output(jac, f, shape, chunk_size):
 @pytest.mark.parametrize("jac", JACOBIANS, ids=JACOBIAN_IDS)
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 def test_argnums_tuple_with_an_empty_input(jac, chunk_size):
-    f = lambda x, y: x.sin().sum() + (y**2).sum()  # noqa: E731
+    f = lambda x, y: x.sin().sum() + (y**2).sum()
     x, y = torch.randn(0, dtype=D), torch.randn(2, dtype=D)
     ours = jac(f, argnums=(0, 1), chunk_size=chunk_size)(x, y)
     assert_same(ours, tf.jacrev(f, argnums=(0, 1))(x, y))
@@ -66,7 +66,7 @@ def test_argnums_tuple_with_an_empty_input(jac, chunk_size):
 @pytest.mark.parametrize("jac", JACOBIANS, ids=JACOBIAN_IDS)
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 def test_several_outputs_one_empty(jac, chunk_size):
-    f = lambda x, y: (x.sin() * y.sum(), y[:0] * x.sum())  # noqa: E731
+    f = lambda x, y: (x.sin() * y.sum(), y[:0] * x.sum())
     x, y = torch.randn(3, dtype=D), torch.randn(2, dtype=D)
     ours = jac(f, argnums=(0, 1), chunk_size=chunk_size)(x, y)
     assert_same(ours, tf.jacrev(f, argnums=(0, 1))(x, y))
@@ -79,7 +79,7 @@ def test_several_outputs_one_empty(jac, chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 def test_empty_with_has_aux(jac, chunk_size):
     x = torch.randn(0, dtype=D)
-    f = lambda x: (x.sin(), {"c": x.cos(), "n": torch.tensor(3.0, dtype=D)})  # noqa: E731
+    f = lambda x: (x.sin(), {"c": x.cos(), "n": torch.tensor(3.0, dtype=D)})
     ours, aux = jac(f, has_aux=True, chunk_size=chunk_size)(x)
     # torch.func's jacrev gives the shapes; its jacfwd has an IndexError here (aux[0] of no columns)
     expected, expected_aux = tf.jacrev(f, has_aux=True)(x)
@@ -88,7 +88,7 @@ def test_empty_with_has_aux(jac, chunk_size):
     assert_same(aux, expected_aux)
 
     y = torch.randn(3, dtype=D)
-    g = lambda x: (x[:0], x.cos())  # noqa: E731  empty output, non-empty aux
+    g = lambda x: (x[:0], x.cos())  # empty output, non-empty aux
     ours, aux = jac(g, has_aux=True, chunk_size=chunk_size)(y)
     expected, expected_aux = tf.jacrev(g, has_aux=True)(y)
     assert_same(ours, expected)
@@ -97,10 +97,10 @@ def test_empty_with_has_aux(jac, chunk_size):
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 2])
 def test_hessian_of_empty_input(chunk_size):
-    f = lambda x: x.sin().sum()  # noqa: E731
+    f = lambda x: x.sin().sum()
     x = torch.randn(0, dtype=D)
     assert_same(functx.hessian(f, chunk_size=chunk_size)(x), tf.hessian(f)(x))
-    g = lambda x, y: (x**2).sum() * y.sum()  # noqa: E731
+    g = lambda x, y: (x**2).sum() * y.sum()
     x, y = torch.randn(0, dtype=D), torch.randn(2, dtype=D)
     ours = functx.hessian(g, argnums=(0, 1), chunk_size=chunk_size)(x, y)
     assert_same(ours, tf.hessian(g, argnums=(0, 1))(x, y))
@@ -118,7 +118,7 @@ def test_vmap_of_empty_jacobians(jac, f, shape):
 
 
 def test_vmap_of_jacrev_with_argnums_and_one_empty_output():
-    f = lambda x, y: (x.sin() * y.sum(), y[:0] * x.sum())  # noqa: E731
+    f = lambda x, y: (x.sin() * y.sum(), y[:0] * x.sum())
     xs, y = torch.randn(4, 3, dtype=D), torch.randn(2, dtype=D)
     for jac in JACOBIANS:
         ours = functx.vmap(jac(f, argnums=(0, 1)), in_dims=(0, None))(xs, y)

@@ -19,7 +19,7 @@ def finite_difference_jvp(f, x, t, eps=1e-6):
 
 def test_jvp_matches_finite_differences():
     w = torch.randn(3, 4, dtype=D)
-    f = lambda x: torch.tanh(w @ x).exp()  # noqa: E731
+    f = lambda x: torch.tanh(w @ x).exp()
     x, t = torch.randn(4, dtype=D), torch.randn(4, dtype=D)
     out, tangent = jvp(f, (x,), (t,))
     torch.testing.assert_close(out, f(x))
@@ -28,7 +28,7 @@ def test_jvp_matches_finite_differences():
 
 def test_jvp_pytree_primals_and_has_aux():
     x, y = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
-    f = lambda p: ((p["a"] * p["b"]).sum(), p["a"].max())  # noqa: E731
+    f = lambda p: ((p["a"] * p["b"]).sum(), p["a"].max())
     tx, ty = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
     out, tangent, aux = jvp(f, ({"a": x, "b": y},), ({"a": tx, "b": ty},), has_aux=True)
     torch.testing.assert_close(tangent, (tx * y + x * ty).sum())
@@ -37,13 +37,13 @@ def test_jvp_pytree_primals_and_has_aux():
 
 def test_nested_jvp():
     x, t = torch.randn(4, dtype=D), torch.randn(4, dtype=D)
-    inner = lambda y: jvp(torch.sin, (y,), (t,))[1]  # noqa: E731
+    inner = lambda y: jvp(torch.sin, (y,), (t,))[1]
     torch.testing.assert_close(jvp(inner, (x,), (t,))[1], -torch.sin(x) * t * t)
 
 
 def test_hvp_three_ways():
     x, v = torch.randn(5, dtype=D), torch.randn(5, dtype=D)
-    f = lambda a: (a.sin() ** 2).sum() * a.prod()  # noqa: E731
+    f = lambda a: (a.sin() ** 2).sum() * a.prod()
     expected = tf.hessian(f)(x) @ v
     torch.testing.assert_close(jvp(grad(f), (x,), (v,))[1], expected)  # forward-over-reverse
     torch.testing.assert_close(grad(lambda a: (grad(f)(a) * v).sum())(x), expected)  # reverse-over-reverse
@@ -61,7 +61,7 @@ def test_jvp_strict_and_independent_output():
 @pytest.mark.parametrize("chunk_size", [None, 1, 4])
 def test_jacfwd_matches_torch_func(chunk_size):
     w = torch.randn(4, 5, dtype=D)
-    f = lambda x, y: (torch.tanh(w @ x) * y.sum(), x.sum())  # noqa: E731
+    f = lambda x, y: (torch.tanh(w @ x) * y.sum(), x.sum())
     x, y = torch.randn(5, dtype=D), torch.randn(2, 3, dtype=D)
     got = jacfwd(f, argnums=(0, 1), chunk_size=chunk_size)(x, y)
     want = tf.jacfwd(f, argnums=(0, 1))(x, y)
@@ -71,20 +71,20 @@ def test_jacfwd_matches_torch_func(chunk_size):
 
 
 def test_jacfwd_equals_jacrev_on_matrix_input():
-    f = lambda m: (m @ m.T).sin()  # noqa: E731
+    f = lambda m: (m @ m.T).sin()
     m = torch.randn(3, 2, dtype=D)
     torch.testing.assert_close(jacfwd(f)(m), jacrev(f)(m))
 
 
 def test_hessian_equals_autograd_functional_hessian():
-    f = lambda a: (a.sin() * a.cos().sum()).sum() + (a**4).sum()  # noqa: E731
+    f = lambda a: (a.sin() * a.cos().sum()).sum() + (a**4).sum()
     x = torch.randn(6, dtype=D)
     torch.testing.assert_close(hessian(f)(x), torch.autograd.functional.hessian(f, x))
     torch.testing.assert_close(hessian(f, chunk_size=2)(x), torch.autograd.functional.hessian(f, x))
 
 
 def test_batched_jacobians_with_vmap():
-    f = lambda a: a.sin() * a.sum()  # noqa: E731
+    f = lambda a: a.sin() * a.sum()
     xs = torch.randn(4, 3, dtype=D)
     torch.testing.assert_close(vmap(jacfwd(f))(xs), tf.vmap(tf.jacfwd(f))(xs))
     torch.testing.assert_close(vmap(jacrev(f))(xs), tf.vmap(tf.jacrev(f))(xs))
@@ -108,7 +108,7 @@ def test_jvp_errors(call, match):
 @pytest.mark.parametrize("chunk_size", [None, 1])
 def test_jacfwd_pytree_outputs(chunk_size):
     w = torch.randn(12, 2, dtype=D)
-    f = lambda x: {"a": torch.sin(w @ x), "b": (w @ x).view(3, 4).exp()}  # noqa: E731
+    f = lambda x: {"a": torch.sin(w @ x), "b": (w @ x).view(3, 4).exp()}
     x = torch.randn(2, dtype=D)
     got, want = jacfwd(f, chunk_size=chunk_size)(x), tf.jacfwd(f)(x)
     torch.testing.assert_close(got["a"], want["a"])
@@ -145,11 +145,11 @@ def test_jvp_falls_back_to_double_vjp_without_a_forward_formula(case):
     if case == "index_reduce_mean":
         base, index = torch.randn(4, 3, dtype=D), torch.tensor([0, 2, 0, 3, 2])
         x, t = torch.randn(5, 3, dtype=D), torch.randn(5, 3, dtype=D)
-        f = lambda src: base.index_reduce(0, index, src, "mean").sin()  # noqa: E731
+        f = lambda src: base.index_reduce(0, index, src, "mean").sin()
     else:
         inp = torch.randn(1, 2, 5, 5, dtype=D)
         x, t = torch.rand(1, 3, 3, 2, dtype=D) * 1.6 - 0.8, torch.randn(1, 3, 3, 2, dtype=D)
-        f = lambda g: torch.nn.functional.grid_sample(inp, g, align_corners=False)  # noqa: E731
+        f = lambda g: torch.nn.functional.grid_sample(inp, g, align_corners=False)
     with pytest.raises(NotImplementedError, match="forward AD"):
         tf.jvp(f, (x,), (t,))
     with pytest.warns(PerformanceWarning, match="double-VJP"):
@@ -167,12 +167,12 @@ def test_tangents_follow_views_and_non_contiguous_primals():
     under vmap (jacfwd), where the tangent is batched and the primal is not."""
     base = torch.randn(6, 5, dtype=D)
     x = base.t()[1:]  # non-contiguous, offset
-    f = lambda a: (a[:, 1:3].t().reshape(-1) * a.diagonal().sum()).expand(2, -1).cumsum(1)  # noqa: E731
+    f = lambda a: (a[:, 1:3].t().reshape(-1) * a.diagonal().sum()).expand(2, -1).cumsum(1)
     t = torch.randn_like(x)
     torch.testing.assert_close(jvp(f, (x,), (t,))[1], tf.jvp(f, (x,), (t,))[1])
     torch.testing.assert_close(jacfwd(f)(x), tf.jacfwd(f)(x))
     torch.testing.assert_close(jacfwd(f, chunk_size=7)(x), tf.jacfwd(f)(x))
-    inplace = lambda a: a.clone().t().mul_(a.t()[0]).sin()  # noqa: E731
+    inplace = lambda a: a.clone().t().mul_(a.t()[0]).sin()
     torch.testing.assert_close(jacfwd(inplace)(x), tf.jacfwd(inplace)(x))
 
 
@@ -265,11 +265,11 @@ def test_matrix_product_tangents_with_any_subset_of_factors(name, mask):
     torch.testing.assert_close(tangent, _fd_jvp(g, primals, tangents), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(tangent, tf.jvp(g, primals, tangents)[1])
     # second order: the tangent's own derivative along the same directions (jvp of jvp)
-    inner = lambda *p: functx.jvp(g, p, tangents)[1]  # noqa: E731
+    inner = lambda *p: functx.jvp(g, p, tangents)[1]
     second = functx.jvp(inner, primals, tangents)[1]
     torch.testing.assert_close(second, _fd_jvp(lambda *p: tf.jvp(g, p, tangents)[1], primals, tangents), rtol=1e-5, atol=1e-6)
     # a Jacobian (vmap over basis tangents, the factors batched or not below the jvp level)
-    first = lambda p0: g(p0, *primals[1:])  # noqa: E731
+    first = lambda p0: g(p0, *primals[1:])
     torch.testing.assert_close(functx.jacfwd(first)(primals[0]), tf.jacrev(first)(primals[0]))
     # per-sample tangents: vmap(jvp) with batched tangents
     batched = tuple(torch.randn(2, *p.shape, dtype=torch.float64) for p in primals)

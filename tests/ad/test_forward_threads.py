@@ -27,7 +27,7 @@ def _f(a):
 
 def _hessian_of_jvp_of_vjp(x, t):
     # reverse levels around a jvp around a reverse level: their graphs save dual tensors
-    inner = lambda a: functx.vjp(_f, a)[1](ONES)[0]  # noqa: E731
+    inner = lambda a: functx.vjp(_f, a)[1](ONES)[0]
     return functx.hessian(lambda a: functx.jvp(inner, (a,), (t,))[1].sum())(x)
 
 

@@ -47,7 +47,7 @@ def test_the_issue_case_two_vmaps_with_chunks():
         h[..., 0] = y[0]
         return h
 
-    f = lambda x, y: functx.jvp(lambda yy: inner(x, yy), (y,), (t,))[1]  # noqa: E731
+    f = lambda x, y: functx.jvp(lambda yy: inner(x, yy), (y,), (t,))[1]
     got = functx.vmap(functx.vmap(f, in_dims=(2, None), out_dims=-4, chunk_size=2), in_dims=(3, None), chunk_size=2)(x, y)
     expected = torch.zeros(1, 2, 2, 1, 4, dtype=D)  # h's tangent: t[0] in the written column
     expected[..., 0] = t[0]

@@ -787,7 +787,7 @@ class T:
             transform = getattr(lib, k)
 
             def g(*xs):
-                scalar = lambda *ys: (f(*_mixed(ys, xs, mix)) * weight).sum()  # noqa: E731
+                scalar = lambda *ys: (f(*_mixed(ys, xs, mix)) * weight).sum()
                 return _combine(transform(scalar, argnums=p["argnums"])(*xs))
 
         elif k in ("jacrev", "jacfwd"):
@@ -808,10 +808,10 @@ class T:
             argnum, source = p["argnum"], p.get("ct")
             shift = const(seed, out)
             if source is None:
-                cotangent = lambda xs: shift  # noqa: E731
+                cotangent = lambda xs: shift
             else:  # the cotangent is a fixed affine map of the transform's input `source`
                 m = const(seed + 1, (numel(in_shapes[source]), numel(out))) / math.sqrt(numel(in_shapes[source]))
-                cotangent = lambda xs: (xs[source].reshape(-1) @ m).reshape(out) + shift  # noqa: E731
+                cotangent = lambda xs: (xs[source].reshape(-1) @ m).reshape(out) + shift
             if p.get("outside"):
                 # vjp of fixed primals, taken now (outside every transform); its vjp_fn is
                 # called under the outer transforms, which see it only through the cotangent
@@ -1787,9 +1787,7 @@ def test_regression_jacfwd_write_into_clone_of_expand():
 # (The Function cases are fixed; tests/ad/test_custom_function.py pins their causes.)
 # The reference of each was checked against central differences of its outermost level
 # (inner levels by `Ref`); torch.func's outcome is in the docstring.
-FUNCTION_SIN = lambda cls: Program([(3,)], [Op("function", cls=cls, j=0), Op("sin")])  # noqa: E731
-
-
+FUNCTION_SIN = lambda cls: Program([(3,)], [Op("function", cls=cls, j=0), Op("sin")])
 def test_regression_jvp_of_jvp_of_jvp_of_function():
     """Third-order jvp of `sin(F.apply(x, x))` (F with setup_context/backward/jvp, plain or
     generate_vmap_rule): functx raised torch's "is_inplace_op INTERNAL ASSERT FAILED ... Only
@@ -2093,14 +2091,14 @@ def test_jvp_through_an_op_without_a_forward_formula_in_a_no_grad_region_matches
         return F.huber_loss(x * scale, torch.zeros_like(x), delta=0.5)
 
     x, t = torch.tensor([0.3, -0.8, 1.1], dtype=D), torch.tensor([0.5, 1.0, -0.7], dtype=D)
-    first = lambda y: functx.jvp(f, (y,), (t,))[1]  # noqa: E731
+    first = lambda y: functx.jvp(f, (y,), (t,))[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         second = functx.jvp(first, (x,), (t,))[1]
     # plain torch differentiates x * x**2 = x**3 (no_grad does not exist for the differences)
-    plain = lambda y: F.huber_loss(y**3, torch.zeros_like(y), delta=0.5)  # noqa: E731
+    plain = lambda y: F.huber_loss(y**3, torch.zeros_like(y), delta=0.5)
     eps = 1e-4
-    d1 = lambda y: (plain(y + eps * t) - plain(y - eps * t)) / (2 * eps)  # noqa: E731
+    d1 = lambda y: (plain(y + eps * t) - plain(y - eps * t)) / (2 * eps)
     expected = (d1(x + eps * t) - d1(x - eps * t)) / (2 * eps)
     torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-6)
 

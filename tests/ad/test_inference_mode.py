@@ -12,8 +12,7 @@ from torch.testing import assert_close
 import functx
 
 D = torch.float64
-f = lambda v: (v.sin() * v).sum()  # noqa: E731
-
+f = lambda v: (v.sin() * v).sum()
 CASES = {
     "grad": lambda T, x: T.grad(f)(x[0]),
     "vmap_grad": lambda T, x: T.vmap(T.grad(f))(x),

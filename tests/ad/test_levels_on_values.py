@@ -86,7 +86,7 @@ def test_hvp_flat_params(way, norm):
     torch.testing.assert_close(got, plain_hvp(P["loss_flat"], P["flat"], v))
     torch.testing.assert_close(got, plain_hessian(P["loss_flat"], P["flat"]) @ v)
     # finite differences of plain gradients along v (no AD of second order)
-    grad = lambda q: torch.autograd.grad(P["loss_flat"](q.requires_grad_()), q)[0]  # noqa: E731
+    grad = lambda q: torch.autograd.grad(P["loss_flat"](q.requires_grad_()), q)[0]
     fd_hvp = fd.directional(lambda q: grad(q.detach()), P["flat"], v, 1e-5)  # of first derivatives
     torch.testing.assert_close(got, fd_hvp, atol=1e-5, rtol=1e-5)
 
@@ -158,8 +158,8 @@ def test_conjugate_gradient_solve():
         return x
 
     g = functx.grad(f)(p)
-    ours = lambda t: functx.jvp(functx.grad(f), (p,), (t,))[1]  # noqa: E731
-    plain = lambda t: plain_hvp(f, p, t)  # noqa: E731
+    ours = lambda t: functx.jvp(functx.grad(f), (p,), (t,))[1]
+    plain = lambda t: plain_hvp(f, p, t)
     torch.testing.assert_close(cg(ours, g, 10), cg(plain, g, 10))
     x = cg(ours, g, 3 * p.numel())
     A = plain_hessian(f, p) + damping * torch.eye(p.numel(), dtype=D)
@@ -382,7 +382,7 @@ def test_jacobians_inside_vmap_are_laid_out_as_torch_func():
     (which works on torch.func's) raised."""
     import torch.func as tf
 
-    f = lambda v: torch.tanh(v * 2).sum() * v  # noqa: E731
+    f = lambda v: torch.tanh(v * 2).sum() * v
     x = torch.randn(5, 7, dtype=D)
     ours, theirs = functx.vmap(functx.jacrev(f))(x), tf.vmap(tf.jacrev(f))(x)
     torch.testing.assert_close(ours, theirs)

@@ -81,7 +81,7 @@ def test_vjp_of_jvp_against_reverse_mode_and_finite_differences(name, seed):
     torch.testing.assert_close(value, expected_value.detach())
     torch.testing.assert_close(got, expected)
     # the reference itself, against central differences of the jvp (float64)
-    tangent_by_differences = lambda y: fd.directional(lambda z: f(z, w), y, t, fd.STEP[1])  # noqa: E731
+    tangent_by_differences = lambda y: fd.directional(lambda z: f(z, w), y, t, fd.STEP[1])
     fd.assert_close(expected, fd.jacobian(tangent_by_differences, x, fd.STEP[2]), order=3)  # nested: 1e-4
 
 

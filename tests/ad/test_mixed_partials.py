@@ -75,7 +75,7 @@ def test_jacobian_of_jacobian_argnums(g, inner, outer):
 def test_jvp_of_jvp_of_closure_vectors():
     """jvp over b of jvp over a of g(a, b) = ta^T (d^2 g / da db) tb, the inner function closing over b."""
     M = torch.randn(4, 4, dtype=D)
-    g = lambda a, b: a @ M @ b + torch.sin(a * b).sum()  # noqa: E731
+    g = lambda a, b: a @ M @ b + torch.sin(a * b).sum()
     x, y, ta, tb = (torch.randn(4, dtype=D) for _ in range(4))
     u = x * y
     closed = ta @ (M + torch.diag(torch.cos(u) - u * torch.sin(u))) @ tb
@@ -338,7 +338,7 @@ def test_jvp_of_vmap_of_jvp_mixed_partial():
     a0, b0, ta, tb = (torch.randn(4, dtype=D) for _ in range(4))
 
     def build(lib):
-        inner = lambda b, xi: lib.jvp(lambda a: (a * b * xi).sum(), (a0,), (ta,))[1]  # noqa: E731
+        inner = lambda b, xi: lib.jvp(lambda a: (a * b * xi).sum(), (a0,), (ta,))[1]
         return lib.jvp(lambda b: lib.vmap(lambda xi: inner(b, xi))(XB), (b0,), (tb,))[1]
 
     ours = build(functx)
@@ -400,7 +400,7 @@ def test_jvp_of_hessian_through_strided_views(name, mix):
         return hessian(lambda y: f(y * (1 + 0.5 * torch.sin(x0)) if mix else y))(x0)
 
     primal, tangent = functx.jvp(lambda x0: closing(x0, functx.hessian), (x,), (t,))
-    reference = lambda x0: closing(x0, lambda g: lambda y: _autograd_hessian(g, y))  # noqa: E731
+    reference = lambda x0: closing(x0, lambda g: lambda y: _autograd_hessian(g, y))
     fd.assert_close(primal, reference(x), order=1)
     # one difference of an exact (autograd) Hessian: a first-order step and tolerance
     fd.assert_close(tangent, fd.directional(reference, x, t), order=1)

@@ -85,8 +85,8 @@ def test_vmap_of_jvp_of_a_vjp_fn_with_a_batched_input(name):
     x, y = torch.randn(*shape, dtype=D), torch.randn(4, dtype=D)
     ty = torch.randn_like(y)
     ct = torch.tensor(0.3, dtype=D)
-    g1 = lambda x, y: functx.vjp(f, x, y)[1](ct)[0]  # noqa: E731
-    g2 = lambda x, y: functx.jvp(lambda b: g1(x, b), (y,), (ty,))[1]  # noqa: E731
+    g1 = lambda x, y: functx.vjp(f, x, y)[1](ct)[0]
+    g2 = lambda x, y: functx.jvp(lambda b: g1(x, b), (y,), (ty,))[1]
     out = functx.vmap(g2, in_dims=(dim, None), out_dims=-1)(x, y)
     plain_g1 = plain_grad(f, 0, ct)
     expected = torch.stack(
@@ -109,7 +109,7 @@ INNER2 = {
 def test_vmap_of_jvp_through_a_grad_level_of_the_batched_input(inner):
     """Mixed partials d/dy of d/dx f(x_i, y) per sample, x batched: the grad level wraps (its
     input is batched) inside the jvp on values. Every op of f lost the jvp's tangent."""
-    f = lambda x, y: (x * y).sin().sum() + (x * x * y).exp().sum()  # noqa: E731
+    f = lambda x, y: (x * y).sin().sum() + (x * x * y).exp().sum()
     torch.manual_seed(1)
     x, y, ty = torch.randn(3, 4, dtype=D) / 2, torch.randn(4, dtype=D) / 2, torch.randn(4, dtype=D)
     g = INNER2[inner]
@@ -128,7 +128,7 @@ def test_vmap_of_jvp_through_a_grad_level_of_the_batched_input(inner):
 def test_vmap_of_vjp_on_values_of_a_grad_of_the_batched_input():
     """The same with a reverse level on values in place of the jvp: vmap over a vjp of the
     shared `y` (recorded on the BatchedTensors) over a grad of the batched `x` (wrapped)."""
-    f = lambda x, y: (x * y).sin().sum() * y.sum()  # noqa: E731
+    f = lambda x, y: (x * y).sin().sum() * y.sum()
     torch.manual_seed(2)
     x, y, ct = torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D), torch.randn(4, dtype=D)
     out = functx.vmap(lambda xi: functx.vjp(lambda b: functx.grad(f)(xi, b), y)[1](ct)[0])(x)
@@ -169,7 +169,7 @@ def test_jvp_of_jacrev_of_a_vjp_fn(name, make, outer):
     if outer == "jacrev":
         g2 = functx.jacrev(g1, argnums=1)
     else:
-        g2 = lambda a, b: functx.vjp(lambda c: g1(a, c), b)[1](torch.ones(3, 4, dtype=D))[0]  # noqa: E731
+        g2 = lambda a, b: functx.vjp(lambda c: g1(a, c), b)[1](torch.ones(3, 4, dtype=D))[0]
     out = functx.jvp(lambda a: g2(a, y), (x,), (tx,))[1]
     plain_g1 = plain_grad(f, 0, ct_outside)
 
@@ -269,7 +269,7 @@ def test_switch_does_not_stop_reverse_levels():
     constant, the grad outside differentiates it with s = x**3 live (torch.func: 4.93)."""
     ours = functx.grad(lambda x: functx.jvp(f5, (x,), (T5[:1].squeeze(),))[1])(X5[0])
     t = T5[0]
-    inner_tangent = lambda x: _directional_frozen(x, t, x**3, fd.STEP[2])  # noqa: E731
+    inner_tangent = lambda x: _directional_frozen(x, t, x**3, fd.STEP[2])
     fd.assert_close(ours, fd.derivative(inner_tangent, X5[0], fd.STEP[2]), order=2)
     torch.testing.assert_close(ours, tf.grad(lambda x: tf.jvp(f5, (x,), (t,))[1])(X5[0]))
 
@@ -297,7 +297,7 @@ def test_jvp_called_under_the_switch_is_invisible_outside(inner):
     """A jvp called under `_set_fwd_grad_enabled(False)` runs (its own tangents are there),
     but the forward levels outside see none of it, as a grad called under `no_grad()` is
     invisible to the grad levels outside (torch.func: 0 for both of its outputs)."""
-    cube = lambda y: y**3  # noqa: E731
+    cube = lambda y: y**3
     calls = {
         "jvp": lambda x: functx.jvp(cube, (x,), (T5,)),
         "jacfwd": lambda x: (cube(x), functx.jacfwd(cube)(x)),
@@ -330,7 +330,7 @@ def test_in_place_op_under_the_switch_keeps_the_tangent():
         return z
 
     c = (X5**3).exp() / 10
-    frozen = lambda y: y * c + c  # noqa: E731  (the tangent is that of z before the write)
+    frozen = lambda y: y * c + c  # (the tangent is that of z before the write)
     ours = {
         "jvp": functx.jvp(f, (X5,), (T5,))[1],
         "vmap(jvp)": functx.vmap(lambda a, t: functx.jvp(f, (a,), (t,))[1])(X5, T5),

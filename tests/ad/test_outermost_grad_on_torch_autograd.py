@@ -64,7 +64,7 @@ def test_gradient_penalty_differentiates_through_the_gradient():
 
 def test_input_that_requires_grad_stays_differentiable():
     x = torch.randn(4, dtype=D, requires_grad=True)
-    f = lambda v: (v.sin() * v).sum()  # noqa: E731
+    f = lambda v: (v.sin() * v).sum()
     g = functx.grad(f)(x)
     assert g.requires_grad
     (hvp,) = torch.autograd.grad(g.sum(), x)
@@ -129,7 +129,7 @@ def test_complex_inputs_keep_a_wrapped_level():
     """vjp of vjp of torch.polar w.r.t. a complex cotangent: a plain complex leaf would reach
     the inner level with a lazy conj bit that torch materializes below autograd."""
     a, u = torch.tensor(1.3, dtype=D), torch.tensor(0.7 + 0.2j, dtype=torch.complex128)
-    h = lambda a: torch.polar(a, a * 0.3)  # noqa: E731
+    h = lambda a: torch.polar(a, a * 0.3)
     ours = functx.vjp(lambda u: functx.vjp(h, a)[1](u)[0], u)[1](torch.tensor(1.0, dtype=D))
     theirs = tf.vjp(lambda u: tf.vjp(h, a)[1](u)[0], u)[1](torch.tensor(1.0, dtype=D))
     torch.testing.assert_close(ours, theirs)
@@ -139,7 +139,7 @@ def test_vmap_over_cotangents_of_layer_norm():
     """vmap(vjp_fn) with an unbatched input and batched cotangents (the layer-norm backward
     rule must not read expanded mean/rstd as dense rows)."""
     x, w, b = torch.randn(2, 2, 3, dtype=D), torch.randn(3, dtype=D), torch.randn(3, dtype=D)
-    f = lambda x, w, b: torch.nn.functional.layer_norm(x, [3], w, b)  # noqa: E731
+    f = lambda x, w, b: torch.nn.functional.layer_norm(x, [3], w, b)
     cotangents = torch.randn(4, 2, 2, 3, dtype=D)
     _, vjp_fn = functx.vjp(f, x, w, b)
     _, tf_vjp_fn = tf.vjp(f, x, w, b)

@@ -12,7 +12,7 @@ D = torch.float64
 
 def test_grad_matches_autograd():
     x = torch.randn(5, dtype=D)
-    f = lambda v: (v.sin() * v.exp()).sum()  # noqa: E731
+    f = lambda v: (v.sin() * v.exp()).sum()
     xr = x.clone().requires_grad_()
     (expected,) = torch.autograd.grad(f(xr), xr)
     torch.testing.assert_close(grad(f)(x), expected)
@@ -26,12 +26,12 @@ def test_third_derivative_of_sin():
 def test_perturbation_confusion():
     """d/dx [x · d/dy (x + y)] = 1: the inner derivative must not see the outer x."""
     one = torch.tensor(1.0, dtype=D)
-    f = lambda x: x * grad(lambda y: x + y)(one)  # noqa: E731
+    f = lambda x: x * grad(lambda y: x + y)(one)
     torch.testing.assert_close(grad(f)(torch.tensor(2.0, dtype=D)), one)
 
 
 def test_nested_grad_closing_over_outer_variable():
-    f = lambda x: grad(lambda y: (x * y) ** 2)(torch.tensor(3.0, dtype=D))  # noqa: E731  (2 x^2 y = 6 x^2)
+    f = lambda x: grad(lambda y: (x * y) ** 2)(torch.tensor(3.0, dtype=D))  # (2 x^2 y = 6 x^2)
     torch.testing.assert_close(grad(f)(torch.tensor(2.0, dtype=D)), torch.tensor(24.0, dtype=D))  # 12 x
 
 
@@ -86,7 +86,7 @@ def test_detach_stops_every_level():
     x = torch.tensor(1.5, dtype=D)
     # inner: d/dy [y.detach() * y] = y.detach(); a constant for the outer level too, as
     # torch.func's and JAX's stop_gradient: d/dx = 0
-    f = lambda x: grad(lambda y: y.detach() * y)(x)  # noqa: E731
+    f = lambda x: grad(lambda y: y.detach() * y)(x)
     torch.testing.assert_close(f(x), x)
     torch.testing.assert_close(grad(f)(x), torch.tensor(0.0, dtype=D))
     torch.testing.assert_close(grad(f)(x), tf.grad(lambda x: tf.grad(lambda y: y.detach() * y)(x))(x))
@@ -125,14 +125,14 @@ def test_vjp_pytree_and_cotangent_structure():
 
 def test_vjp_fn_called_after_vjp_returned_composes_with_outer_grad():
     x = torch.randn(3, dtype=D)
-    g = lambda y: vjp(lambda v: v.sin().sum(), y)[1](torch.tensor(1.0, dtype=D))[0].sum()  # noqa: E731
+    g = lambda y: vjp(lambda v: v.sin().sum(), y)[1](torch.tensor(1.0, dtype=D))[0].sum()
     torch.testing.assert_close(grad(g)(x), -x.sin())
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 3])
 def test_jacrev_matches_torch_func(chunk_size):
     w = torch.randn(4, 5, dtype=D)
-    f = lambda x, y: {"a": torch.tanh(w @ x) * y.sum(), "b": x.sum()}  # noqa: E731
+    f = lambda x, y: {"a": torch.tanh(w @ x) * y.sum(), "b": x.sum()}
     x, y = torch.randn(5, dtype=D), torch.randn(2, dtype=D)
     got = jacrev(f, argnums=(0, 1), chunk_size=chunk_size)(x, y)
     want = tf.jacrev(f, argnums=(0, 1))(x, y)

@@ -39,7 +39,7 @@ def check(build, closed_form):
 
 def test_jvp_of_grad_of_self_times_detached():
     """grad of sum(x * sg(x)) is sg(x): a constant to the jvp around it."""
-    f = lambda x: (x * x.detach()).sum()  # noqa: E731
+    f = lambda x: (x * x.detach()).sum()
     check(lambda lib: lib.grad(f)(X), X)
     check(lambda lib: lib.jvp(lib.grad(f), (X,), (torch.ones_like(X),))[1], torch.zeros_like(X))
 
@@ -131,18 +131,18 @@ def test_detach_of_outer_input_inside_inner_function(outer, inner):
 
 
 def test_vmap_of_grad_with_detach():
-    f = lambda x: (x**2 * x.detach()).sum()  # noqa: E731
+    f = lambda x: (x**2 * x.detach()).sum()
     check(lambda lib: lib.vmap(lib.grad(f))(XB), 2 * XB**2)
 
 
 def test_grad_of_vmap_with_detach():
-    f = lambda x: (x**2 * x.detach()).sum()  # noqa: E731
+    f = lambda x: (x**2 * x.detach()).sum()
     check(lambda lib: lib.grad(lambda xs: lib.vmap(f)(xs).sum())(XB), 2 * XB**2)
 
 
 def test_grad_of_vmap_of_grad_with_detach():
     """The per-row gradient sg(x_i) is constant to the outer grad: 0 (2 without the detach)."""
-    f = lambda x: (x * x.detach()).sum()  # noqa: E731
+    f = lambda x: (x * x.detach()).sum()
     check(lambda lib: lib.grad(lambda xs: lib.vmap(lib.grad(f))(xs).sum())(XB), torch.zeros_like(XB))
 
 
@@ -164,9 +164,9 @@ def test_detach_under_vmap_of_jvp():
 def test_detach_under_vmap_of_jvp_of_grad():
     """Per-sample forward-over-reverse: the gradient sg(x) has a zero tangent."""
     ones = torch.ones(4, dtype=D)
-    f = lambda a: (a * a.detach()).sum()  # noqa: E731
+    f = lambda a: (a * a.detach()).sum()
     check(lambda lib: lib.vmap(lambda xi: lib.jvp(lib.grad(f), (xi,), (ones,))[1])(XB), torch.zeros_like(XB))
-    f2 = lambda a: (a**2 * a.detach()).sum()  # noqa: E731
+    f2 = lambda a: (a**2 * a.detach()).sum()
     check(lambda lib: lib.vmap(lambda xi: lib.jvp(lib.grad(f2), (xi,), (ones,))[1])(XB), 2 * XB)
 
 

@@ -121,7 +121,7 @@ def test_conj_values_under_vmap_and_grad(f):
     against plain torch.autograd."""
     a, b = torch.randn(4, 3, dtype=torch.complex128), torch.randn(4, 3, dtype=torch.complex128)
     torch.testing.assert_close(functx.vmap(f)(a, b), torch.stack([f(x, y) for x, y in zip(a, b)]))
-    loss = lambda x, y: f(x, y).abs().sum()  # noqa: E731
+    loss = lambda x, y: f(x, y).abs().sum()
     a0 = a[0].clone().requires_grad_()
     (expected,) = torch.autograd.grad(loss(a0, b[0]), a0)
     torch.testing.assert_close(functx.grad(loss)(a[0], b[0]), expected)

@@ -172,7 +172,7 @@ def test_functions_defined_per_call_are_not_kept_alive(kind):
 
     def use_once():
         F = _function_defined_per_call(kind)
-        f = lambda v: F.apply(v).sum()  # noqa: E731
+        f = lambda v: F.apply(v).sum()
         expected_grad = 3 * x**2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", functx.PerformanceWarning)  # old-style under vmap

@@ -165,7 +165,7 @@ def _same_set_message(a: str, b: str) -> bool:
     return head_a == head_b and sorted(set_a.strip("}").split(", ")) == sorted(set_b.strip("}").split(", "))
 
 
-@pytest.mark.parametrize("shape,pattern,lengths", BIND_ERRORS, ids=[f"{p} {l}" for _, p, l in BIND_ERRORS])
+@pytest.mark.parametrize("shape,pattern,lengths", BIND_ERRORS, ids=[f"{p} {lengths}" for _, p, lengths in BIND_ERRORS])
 def test_length_errors(shape, pattern, lengths):
     x = torch.randn(shape)
     assert _error(lambda: torch.func.rearrange(x, pattern, **lengths)) is not None
@@ -283,8 +283,8 @@ def test_ellipsis_with_groups():
 # -- inside transforms --------------------------------------------------------------------------
 def test_rearrange_inside_transforms():
     xs = torch.randn(5, 2, 6)
-    f = lambda x: functx.rearrange(x, "a (b c) -> (c a) b", c=2).sin().sum(0)  # noqa: E731
-    g = lambda x: torch.func.rearrange(x, "a (b c) -> (c a) b", c=2).sin().sum(0)  # noqa: E731
+    f = lambda x: functx.rearrange(x, "a (b c) -> (c a) b", c=2).sin().sum(0)
+    g = lambda x: torch.func.rearrange(x, "a (b c) -> (c a) b", c=2).sin().sum(0)
     assert torch.allclose(functx.vmap(f)(xs), torch.stack([g(x) for x in xs]))
     assert torch.allclose(functx.grad(lambda x: f(x).sum())(xs[0]), torch.func.grad(lambda x: g(x).sum())(xs[0]))
     assert torch.allclose(functx.jacrev(f)(xs[0]), torch.func.jacrev(g)(xs[0]))

@@ -281,7 +281,7 @@ def test_data_dependent_ops():
 def test_tensor_split_with_tensor_points():
     """torch.func fails here: torch's C++ composite reads the points' data from the functional
     tensor; functx passes them as ints."""
-    f = lambda x, idx: torch.tensor_split(x * 1, idx)[1]  # noqa: E731
+    f = lambda x, idx: torch.tensor_split(x * 1, idx)[1]
     x, idx = torch.arange(6.0), torch.tensor([2, 4])
     assert torch.equal(functx.functionalize(f)(x, idx), f(x, idx))
     with pytest.raises(RuntimeError):
@@ -377,7 +377,7 @@ def test_autograd_outside_records_through():
     """Plain autograd outside any functx transform sees through functionalize, as with
     torch.func."""
     a = torch.randn(3, requires_grad=True)
-    f = lambda a: (a.clone().mul_(a)).sin().sum()  # noqa: E731
+    f = lambda a: (a.clone().mul_(a)).sin().sum()
     (ours,) = torch.autograd.grad(functx.functionalize(f)(a), a)
     (expected,) = torch.autograd.grad(f(a), a)
     torch.testing.assert_close(ours, expected)

@@ -116,7 +116,7 @@ def test_jacobians_and_hessian():
 
 
 def test_second_order_through_functionalize():
-    f = lambda s: functionalize(mutating)(s.sin() * torch.ones(3, 3)).cos()  # noqa: E731
+    f = lambda s: functionalize(mutating)(s.sin() * torch.ones(3, 3)).cos()
     s = torch.tensor(0.3, requires_grad=True)
     (g,) = torch.autograd.grad(f(s), s, create_graph=True)
     (gg,) = torch.autograd.grad(g, s)
@@ -155,7 +155,7 @@ def test_input_written_inside_vmap():
 def test_grad_of_function_writing_its_input():
     """Inside grad, the input a function writes is grad's own tensor: the copy back happens at
     that level, and the gradient is that of the written value."""
-    f = lambda x: writes_input(x.clone())  # noqa: E731
+    f = lambda x: writes_input(x.clone())
     torch.testing.assert_close(grad(functionalize(f))(X), grad_ref(f, X))
 
     def g(x):

@@ -177,7 +177,7 @@ def test_lstm_default_path_is_vectorized(layers, bidirectional):
         params = {k: v.detach() for k, v in module.named_parameters()}
 
         def by_vjp(x, target):
-            loss = lambda p: F.mse_loss(functx.functional_call(module, p, (x[None],)), target[None])  # noqa: E731
+            loss = lambda p: F.mse_loss(functx.functional_call(module, p, (x[None],)), target[None])
             return functx.vjp(loss, params)[1](torch.tensor(1.0))[0]
 
         wrapped = functx.vmap(by_vjp)(x, targets)

@@ -40,7 +40,7 @@ def _mlp(p, x):
 
 def _grad_ref(f, args, argnums=0):
     """torch.autograd.grad with create_graph: stays differentiable where the args are."""
-    as_leaf = lambda t: t if t.requires_grad else t.detach().requires_grad_()  # noqa: E731
+    as_leaf = lambda t: t if t.requires_grad else t.detach().requires_grad_()
     args = [a if i != argnums else torch_pytree.tree_map(as_leaf, a) for i, a in enumerate(args)]
     leaves = torch_pytree.tree_leaves(args[argnums])
     grads = torch.autograd.grad(f(*args), leaves, create_graph=True)
@@ -116,7 +116,7 @@ def jvp_and_vjp(v, t):
 
 
 def jvp_and_vjp_ref(v, t):
-    f = lambda u: u.sin() * u  # noqa: E731
+    f = lambda u: u.sin() * u
     out, tangent = torch.autograd.functional.jvp(f, v, t)
     _, cot = torch.autograd.functional.vjp(f, v, t)
     return out, tangent, out, cot, out, tangent
@@ -134,7 +134,7 @@ def grad_value_aux_pytree_ref(p, x):
     rows = []
     for i in range(p["a"].shape[0]):
         pi = {"a": p["a"][i], "b": p["b"]}
-        f = lambda q: (q["a"] * x[:, i]).sin().sum() + q["b"].pow(2).sum()  # noqa: E731
+        f = lambda q: (q["a"] * x[:, i]).sin().sum() + q["b"].pow(2).sum()
         value = f(pi)
         rows.append((_grad_ref(lambda q: f(q), (pi,)), value))
     grads = {k: torch.stack([g[k] for g, _ in rows]) for k in p}
@@ -147,7 +147,7 @@ def vmap_jacrev_chunked(v):
 
 
 def vmap_jacrev_chunked_ref(v):
-    f = lambda u: u.sin() * u.prod()  # noqa: E731
+    f = lambda u: u.sin() * u.prod()
     return torch.stack([torch.autograd.functional.jacobian(f, v[:, i], create_graph=True) for i in range(v.shape[1])], dim=2)
 
 
@@ -283,7 +283,7 @@ def test_functional_call_return_state_is_staged(given):
 def test_errors_are_the_eager_ones():
     """A call functx rejects is a graph break, so the error raised is eager functx's."""
     x = _randn(3, 2, seed=24)
-    bad_in_dims = lambda v: functx.vmap(torch.sin, in_dims=(0, 0))(v)  # noqa: E731
+    bad_in_dims = lambda v: functx.vmap(torch.sin, in_dims=(0, 0))(v)
     with pytest.raises(ValueError) as eager:
         bad_in_dims(x)
     torch._dynamo.reset()
@@ -291,11 +291,11 @@ def test_errors_are_the_eager_ones():
         torch.compile(bad_in_dims, backend="aot_eager")(x)
     assert str(compiled.value) == str(eager.value)
     # functional_call traced as torch's reparametrization keeps functx's checks
-    doubled = lambda v: functx.functional_call(MODEL, (PARAMS, {"0.bias": PARAMS["0.bias"]}), (v,))  # noqa: E731
+    doubled = lambda v: functx.functional_call(MODEL, (PARAMS, {"0.bias": PARAMS["0.bias"]}), (v,))
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="appeared in multiple dictionaries"):
         torch.compile(doubled, backend="aot_eager")(_randn(3, seed=25))
-    not_scalar = lambda v: functx.grad(torch.sin)(v)  # noqa: E731
+    not_scalar = lambda v: functx.grad(torch.sin)(v)
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="Expected f\\(\\*args\\) to return a scalar Tensor"):
         torch.compile(not_scalar, backend="aot_eager")(x)

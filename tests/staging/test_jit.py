@@ -57,7 +57,7 @@ def test_gradient_of_a_gradient_norm():
     wrong by 75% and detached from x)."""
     w = _randn(4, 3, seed=1).requires_grad_()
     x = _randn(3, seed=2).requires_grad_()
-    f = lambda w, x: torch.tanh(w @ x).pow(2).sum()  # noqa: E731
+    f = lambda w, x: torch.tanh(w @ x).pow(2).sum()
     grad_x = functx.jit(functx.grad(f, argnums=1))
     (got,) = torch.autograd.grad(grad_x(w, x).pow(2).sum(), w)
     (gx,) = torch.autograd.grad(f(w, x), x, create_graph=True)
@@ -441,7 +441,7 @@ def test_per_sample_weight_gradients_keep_their_layout_when_staged(stage):
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def per_sample(p, x, y):
-        loss = lambda p, x, y: ((functx.functional_call(model, p, (x,)) - y) ** 2).sum()  # noqa: E731
+        loss = lambda p, x, y: ((functx.functional_call(model, p, (x,)) - y) ** 2).sum()
         return functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(p, x, y)
 
     x, y = _randn(4, 6, seed=1), _randn(4, 3, seed=2)

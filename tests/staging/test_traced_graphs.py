@@ -10,7 +10,7 @@ import functx
 @pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
 def test_per_sample_checks_leave_no_trace(mode):
     """vmap's per-sample shape check runs ops on meta tensors; outside the tracing modes."""
-    f = lambda x, w: functx.vmap(lambda a: (a @ w).sum(0).softmax(0))(x)  # noqa: E731
+    f = lambda x, w: functx.vmap(lambda a: (a @ w).sum(0).softmax(0))(x)
     x, w = torch.randn(4, 3, 2), torch.randn(2, 5)
     graph = make_fx(f, tracing_mode=mode)(x, w)
     for node in graph.graph.nodes:

@@ -363,7 +363,7 @@ BAD_OUT_DIMS = {
 def test_bad_out_dims_are_rejected_like_torch_func(case):
     error, rule = BAD_OUT_DIMS[case]
     x = torch.randn(3, 4, dtype=D)
-    f = lambda v: optree.tree_leaves(_returning(rule).apply(v))[0]  # noqa: E731
+    f = lambda v: optree.tree_leaves(_returning(rule).apply(v))[0]
     with pytest.raises(error):
         torch.func.vmap(f)(x)
     with pytest.raises(error, match="vmap staticmethod of Returns") as caught:
@@ -392,12 +392,12 @@ def test_out_dims_torch_func_accepts_give_its_results(case):
     x = torch.randn(3, 4, dtype=D)
     rule = GOOD_OUT_DIMS[case]
     F = _returning(rule)
-    tensors = lambda v: [o for o in optree.tree_leaves(F.apply(v)) if isinstance(o, torch.Tensor)]  # noqa: E731
+    tensors = lambda v: [o for o in optree.tree_leaves(F.apply(v)) if isinstance(o, torch.Tensor)]
     expected = torch.func.vmap(tensors)(x)
     torch.testing.assert_close(functx.vmap(tensors)(x), expected)
     # and the structure, non-tensors included
-    describe = lambda o: "tensor" if isinstance(o, torch.Tensor) else repr(o)  # noqa: E731
-    structure = lambda v: (optree.tree_map(describe, F.apply(v), none_is_leaf=True), v)  # noqa: E731
+    describe = lambda o: "tensor" if isinstance(o, torch.Tensor) else repr(o)
+    structure = lambda v: (optree.tree_map(describe, F.apply(v), none_is_leaf=True), v)
     expected = torch.func.vmap(structure, out_dims=(None, 0))(x)[0]
     assert functx.vmap(structure, out_dims=(None, 0))(x)[0] == expected
 
@@ -444,7 +444,7 @@ def test_containers_of_tensors_reach_the_vmap_rules():
             return None, 100 * grad * a * b  # not the true derivative: seen only if used
 
     a, b, w = (torch.randn(3, 4, dtype=D) for _ in range(3))
-    f = lambda a, b, w: ListMul.apply([a, b], w)  # noqa: E731
+    f = lambda a, b, w: ListMul.apply([a, b], w)
     torch.testing.assert_close(functx.vmap(f, in_dims=(0, 0, None))(a, b, w[0]), loop(lambda a, b: f(a, b, w[0]), a, b))
     torch.testing.assert_close(functx.vmap(f, in_dims=(0, None, None))(a, b[0], w[0]), a * b[0] * w[0])
     # the custom backward of the generated rule (only w gets a gradient, as in torch.func)

@@ -87,7 +87,7 @@ def test_linear_weight_gradient_layout(input_rank, bias):
     params = {k: v.detach() for k, v in lin.named_parameters()}
     shape = {1: (6,), 2: (3, 6), 3: (2, 3, 6)}[input_rank]
     xs, ys = torch.randn(B, *shape, dtype=D), torch.randn(B, dtype=D)
-    loss = lambda lib: lambda p, x, y: (lib.functional_call(lin, p, (x,)).tanh().sum() - y) ** 2  # noqa: E731
+    loss = lambda lib: lambda p, x, y: (lib.functional_call(lin, p, (x,)).tanh().sum() - y) ** 2
     ours = functx.vmap(functx.grad(loss(functx)), in_dims=(None, 0, 0))(params, xs, ys)
     theirs = tf.vmap(tf.grad(loss(tf)), in_dims=(None, 0, 0))(params, xs, ys)
     want = loop(lin, params, xs, ys, loss(tf))

@@ -128,7 +128,7 @@ def test_batch_of_size_zero(name, f, args, in_dims, torch_func_right):
 
 def test_issue_examples():
     assert functx.vmap(lambda x: x.sum())(torch.randn(0, 3)).shape == tf.vmap(lambda x: x.sum())(torch.randn(0, 3)).shape == (0,)
-    g = lambda x: x.sin().sum()  # noqa: E731
+    g = lambda x: x.sin().sum()
     assert functx.vmap(functx.grad(g))(torch.randn(0, 3)).shape == tf.vmap(tf.grad(g))(torch.randn(0, 3)).shape == (0, 3)
 
 

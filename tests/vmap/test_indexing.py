@@ -183,12 +183,12 @@ def test_index_put(case):
 
 
 def test_index_put_private_overloads():
-    unsafe = lambda x, i, v: aten._unsafe_index_put(x, [None, i], v, True)  # noqa: E731
+    unsafe = lambda x, i, v: aten._unsafe_index_put(x, [None, i], v, True)
     check_batchings(unsafe, randn(4, 5), randint(0, 5, 3), randn(3))
     check_batchings(lambda x, i, v: aten.index_put.hacked_twin(x, [i], v), randn(4, 5), distinct(4, 2), randn(2, 5))
-    impl = lambda x, i, v: aten._index_put_impl_(x.clone(), [i], v, True, False)  # noqa: E731
+    impl = lambda x, i, v: aten._index_put_impl_(x.clone(), [i], v, True, False)
     check_batchings(impl, randn(4, 5), randint(0, 4, 3), randn(5), require=(0,))
-    twin = lambda x, i, v: aten.index_put_.hacked_twin(x.clone(), [i], v)  # noqa: E731
+    twin = lambda x, i, v: aten.index_put_.hacked_twin(x.clone(), [i], v)
     check_batchings(twin, randn(4, 5), distinct(4, 3), randn(3, 5), require=(0,))
 
 
@@ -204,7 +204,7 @@ def test_setitem_with_batched_mask_and_value_that_does_not_vary_is_where():
     check_batchings(setitem(lambda m: m), randn(5, 6), mask(5, 6), randn(), require=(0,))
     check_batchings(setitem(lambda m: m), randn(5, 6), mask(5), randn(6), require=(0,))
     check_batchings(setitem(lambda m: (slice(None), m)), randn(4, 5, 6), mask(5), randn(4, 1, 6), require=(0,))
-    accumulate = lambda x, m, v: torch.index_put(x, (m,), v, accumulate=True)  # noqa: E731
+    accumulate = lambda x, m, v: torch.index_put(x, (m,), v, accumulate=True)
     check_batchings(accumulate, randn(5, 6), mask(5, 6), randn(1))
 
 
@@ -263,9 +263,9 @@ def test_scatter(case):
 @pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
 @pytest.mark.parametrize("include_self", [True, False])
 def test_scatter_reduce(reduce, include_self):
-    f = lambda x, i, s: torch.scatter_reduce(x, 0, i, s, reduce, include_self=include_self)  # noqa: E731
+    f = lambda x, i, s: torch.scatter_reduce(x, 0, i, s, reduce, include_self=include_self)
     check_batchings(f, randn(4, 5), randint(0, 4, 6, 5), randn(6, 5))
-    g = lambda x, i, s: x.clone().scatter_reduce_(-1, i, s, reduce, include_self=include_self)  # noqa: E731
+    g = lambda x, i, s: x.clone().scatter_reduce_(-1, i, s, reduce, include_self=include_self)
     check_batchings(g, randn(4, 5), randint(0, 5, 4, 7), randn(4, 7), require=(0,), in_dim_choices=(0,))
 
 
@@ -294,7 +294,7 @@ def test_index_select(dim):
 def test_index_select_edge_ranks():
     check_batchings(lambda x, i: torch.index_select(x, 1, i), randn(4, 5), randint(0, 5))
     check_batchings(lambda x, i: torch.index_select(x, 0, i), randn(), randint(0, 1, 1))
-    int32 = lambda: torch.randint(0, 5, (4,), dtype=torch.int32)  # noqa: E731
+    int32 = lambda: torch.randint(0, 5, (4,), dtype=torch.int32)
     check_batchings(lambda x, i: torch.index_select(x, 2, i), randn(2, 3, 5), int32)
 
 
@@ -303,7 +303,7 @@ def test_index_add(dim):
     source = randn(6, 4) if dim == 0 else randn(4, 6)
     check_batchings(lambda x, i, s: torch.index_add(x, dim, i, s), randn(4, 4), randint(0, 4, 6), source)
     check_batchings(lambda x, i, s: torch.index_add(x, dim, i, s, alpha=-2), randn(4, 4), randint(0, 4, 6), source)
-    inplace = lambda x, i, s: x.clone().index_add_(dim, i, s, alpha=3)  # noqa: E731
+    inplace = lambda x, i, s: x.clone().index_add_(dim, i, s, alpha=3)
     check_batchings(inplace, randn(4, 4), randint(0, 4, 2), randn(2, 4) if dim == 0 else randn(4, 2), require=(0,))
 
 
@@ -314,16 +314,16 @@ def test_index_add_zero_dim_index():
 @pytest.mark.parametrize("dim", [1, -2])
 def test_index_copy(dim):
     check_batchings(lambda x, i, s: torch.index_copy(x, dim, i, s), randn(2, 5, 3), distinct(5, 3), randn(2, 3, 3))
-    inplace = lambda x, i, s: x.clone().index_copy_(dim, i, s)  # noqa: E731
+    inplace = lambda x, i, s: x.clone().index_copy_(dim, i, s)
     check_batchings(inplace, randn(2, 5, 3), distinct(5, 3), randn(2, 3, 3), require=(0,))
 
 
 @pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 @pytest.mark.parametrize("include_self", [True, False])
 def test_index_reduce(reduce, include_self):
-    f = lambda x, i, s: torch.index_reduce(x, 0, i, s, reduce, include_self=include_self)  # noqa: E731
+    f = lambda x, i, s: torch.index_reduce(x, 0, i, s, reduce, include_self=include_self)
     check_batchings(f, randn(4, 3), randint(0, 4, 6), randn(6, 3))
-    g = lambda x, i, s: x.clone().index_reduce_(-1, i, s, reduce, include_self=include_self)  # noqa: E731
+    g = lambda x, i, s: x.clone().index_reduce_(-1, i, s, reduce, include_self=include_self)
     check_batchings(g, randn(3, 4), randint(0, 4, 6), randn(3, 6), require=(0,), in_dim_choices=(0,))
 
 
@@ -332,7 +332,7 @@ def test_index_fill(dim):
     check_batchings(lambda x, i: torch.index_fill(x, dim, i, -2.0), randn(4, 5), randint(-4, 4, 3))
     check_batchings(lambda x, i, v: torch.index_fill(x, dim, i, v), randn(4, 5), randint(-4, 4, 3), randn())
     check_batchings(lambda x, i: x.clone().index_fill_(dim, i, 7.0), randn(4, 5), randint(0, 4, 2), require=(0,))
-    inplace = lambda x, i, v: x.clone().index_fill_(dim, i, v)  # noqa: E731
+    inplace = lambda x, i, v: x.clone().index_fill_(dim, i, v)
     check_batchings(inplace, randn(4, 5), randint(0, 4, 2), randn(), require=(0,))
     check_batchings(lambda x, i: torch.index_fill(x, dim, i, 1.0), randn(4, 5), randint(0, 4))
 
@@ -371,7 +371,7 @@ def test_put():
     check_batchings(lambda x, i, s: torch.put(x, i, s), randn(4, 5), distinct(20, 6), randn(2, 3))
     check_batchings(lambda x, i, s: torch.put(x, i - 20, s, accumulate=True), randn(4, 5), randint(0, 20, 8), randn(8))
     check_batchings(lambda x, i, s: x.clone().put_(i, s), randn(4, 5), distinct(20, 3), randn(3), require=(0,))
-    inplace = lambda x, i, s: x.clone().put_(i, s, accumulate=True)  # noqa: E731
+    inplace = lambda x, i, s: x.clone().put_(i, s, accumulate=True)
     check_batchings(inplace, randn(4, 5), randint(0, 20, 9), randn(3, 3), require=(0,))
     check_batchings(lambda x, i, s: torch.put(x, i, s), randn(), randint(0, 1, 1), randn(1))
 
@@ -390,7 +390,7 @@ def test_masked_scatter():
 
 
 def test_masked_scatter_backward():
-    f = lambda g, m: aten.masked_scatter_backward(g, m, [3, 7])  # noqa: E731
+    f = lambda g, m: aten.masked_scatter_backward(g, m, [3, 7])
     check_batchings(f, randn(4, 5), mask(4, 5))
 
 
@@ -411,7 +411,7 @@ def test_masked_scatter_nested():
 # -- embedding -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("padding_idx", [None, 2, -1])
 def test_embedding(padding_idx):
-    f = lambda w, i: F.embedding(i, w, padding_idx=padding_idx)  # noqa: E731
+    f = lambda w, i: F.embedding(i, w, padding_idx=padding_idx)
     check_batchings(f, randn(6, 4), randint(0, 6, 2, 3))
     check_batchings(f, randn(6, 4), randint(0, 6))
 
@@ -442,7 +442,7 @@ def test_embedding_gradient_through_vmap_keeps_padding_and_freq(padding_idx, bat
 @pytest.mark.parametrize("padding_idx", [-1, 0, 3])
 @pytest.mark.parametrize("scale_grad_by_freq", [False, True])
 def test_embedding_dense_backward(padding_idx, scale_grad_by_freq):
-    f = lambda g, i: aten.embedding_dense_backward(g, i, 6, padding_idx, scale_grad_by_freq)  # noqa: E731
+    f = lambda g, i: aten.embedding_dense_backward(g, i, 6, padding_idx, scale_grad_by_freq)
     check_batchings(f, randn(2, 5, 4), randint(0, 6, 2, 5))
 
 
@@ -497,7 +497,7 @@ def test_self_and_index_batched_at_different_levels(case):
 
 def test_mask_assignment_with_mask_batched_at_the_outer_level():
     x, m = torch.randn(3, 5, 6), torch.rand(4, 5, 6) > 0.5
-    f = lambda a, mm, v: torch.index_put(a, (mm,), v)  # noqa: E731  (x is not batched at m's level)
+    f = lambda a, mm, v: torch.index_put(a, (mm,), v)  # (x is not batched at m's level)
     with functx.vmap_fallback("error"):
         out = vmap(vmap(f, in_dims=(0, None, None)), in_dims=(None, 0, None))(x, m, torch.tensor(0.0))
     expected = torch.stack([torch.stack([f(x[a], m[b], torch.tensor(0.0)) for a in range(3)]) for b in range(4)])

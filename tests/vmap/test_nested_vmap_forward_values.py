@@ -112,7 +112,7 @@ def test_lu_solve_size_one_dim_with_odd_stride_under_two_vmaps(left, adjoint):
     LU, piv = LU.unsqueeze(1), piv.unsqueeze(1)
     assert LU.stride() == (9, 3, 1, 3)
     B = torch.randn(2, 1, *((3, 4) if left else (4, 3)), dtype=f64)
-    solve = lambda lu, p, b: torch.linalg.lu_solve(lu, p, b, left=left, adjoint=adjoint)  # noqa: E731
+    solve = lambda lu, p, b: torch.linalg.lu_solve(lu, p, b, left=left, adjoint=adjoint)
     out = vmap(vmap(solve))(LU, piv, B)
     # the reference solves each sample from contiguous copies of its own factors
     ref = per_sample(lambda lu, p, b: solve(lu.contiguous(), p.contiguous(), b), LU, piv, B)
@@ -171,7 +171,7 @@ def test_layer_norm_hvp_jvp_of_grad_under_two_vmaps(affine):
     """Item 8, the `jvp(grad(f))` form, the tangent shared by the outer vmap."""
     f = _layer_norm(affine, 1, (3, 5))
     c = torch.randn(3, 5, dtype=f64)
-    loss = lambda x: (torch.tanh(f(x)) * c).sum()  # noqa: E731
+    loss = lambda x: (torch.tanh(f(x)) * c).sum()
     X, V = torch.randn(2, 3, 3, 5, dtype=f64), torch.randn(3, 3, 5, dtype=f64)
     out = vmap(vmap(lambda x, v: functx.jvp(functx.grad(loss), (x,), (v,))[1]), in_dims=(0, None))(X, V)
     one = torch.ones((), dtype=f64)
@@ -202,7 +202,7 @@ def test_layer_norm_hessian_under_two_vmaps_still_raises_clearly():
     (torch's double-backward formula writes a value batched at the outer vmap in place into
     a temporary batched only at the inner one) instead of returning a wrong number, and
     leaves no interpreter on the stack."""
-    f = lambda x: torch.tanh(F.layer_norm(x, (5,))).sum()  # noqa: E731
+    f = lambda x: torch.tanh(F.layer_norm(x, (5,))).sum()
     with pytest.raises(RuntimeError, match="writes in place into a tensor that is not batched"):
         vmap(vmap(functx.hessian(f)))(torch.randn(2, 2, 3, 5, dtype=f64))
     assert functx.core.current_stack() == ()

@@ -363,7 +363,7 @@ def test_third_order_through_reduced_losses(name, reduction):
     elif name == "binary_cross_entropy_with_logits":
         target = target.sigmoid()
     loss = getattr(F, name)
-    f = lambda v: torch.sin(loss(v, target, reduction=reduction))  # noqa: E731
+    f = lambda v: torch.sin(loss(v, target, reduction=reduction))
     expected_hessian = torch.autograd.functional.hessian(f, x)
     torch.testing.assert_close(functx.hessian(f)(x), expected_hessian)
     torch.testing.assert_close(functx.jacrev(functx.jacrev(f))(x), expected_hessian)

@@ -7,7 +7,6 @@ under `vmap_fallback("error")`, which proves that no per-sample loop ran. Gradie
 inside vmap send the backward ops (glu_backward, the attention backward) to vmap too.
 """
 
-import itertools
 from functools import partial
 
 import pytest

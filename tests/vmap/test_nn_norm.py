@@ -7,7 +7,6 @@ no per-sample loop ran. Batch norm in training mode also checks where the runnin
 updates land.
 """
 
-import itertools
 
 import pytest
 import torch

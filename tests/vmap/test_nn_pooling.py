@@ -117,7 +117,7 @@ def test_max_unpool_unbatched_indices():
     """Batched values scattered by shared indices."""
     x = torch.randn(2, 3, 6, 6, dtype=f64)
     _, indices = F.max_pool2d(x, 2, return_indices=True)
-    fn = lambda values, indices: F.max_unpool2d(values, indices, 2)  # noqa: E731
+    fn = lambda values, indices: F.max_unpool2d(values, indices, 2)
     check(fn, (randn(2, 3, 3, 3), lambda: indices), pattern=(True, False))
 
 
@@ -131,7 +131,7 @@ def fractional_cases():
     for name, pool, x_shape, samples_shape, output_size in FRACTIONAL:
         fn = lambda x, s, pool=pool, size=output_size: pool(
             x, 2, output_size=size, return_indices=True, _random_samples=s
-        )  # noqa: E731
+        )
         yield name, fn, (randn(*x_shape), lambda shape=samples_shape: torch.rand(shape, dtype=f64))
         unbatched = (1, *samples_shape[1:])  # a single sample still draws (1, C, spatial)
         yield f"{name}_C", fn, (randn(*x_shape[1:]), lambda shape=unbatched: torch.rand(shape, dtype=f64))
@@ -413,7 +413,7 @@ UPSAMPLE_BACKWARD = [  # (name, backward op, output_size, sample input size, opt
     "backward, output_size, input_size, options", [pytest.param(*case[1:], id=case[0]) for case in UPSAMPLE_BACKWARD]
 )
 def test_upsample_backward(backward, output_size, input_size, options, dim):
-    fn = lambda grad_output: backward(grad_output, output_size, input_size, *options)  # noqa: E731
+    fn = lambda grad_output: backward(grad_output, output_size, input_size, *options)
     check(fn, (randn(*input_size[:2], *output_size),), dim=dim)
 
 

@@ -435,7 +435,7 @@ def _grid_args(spatial, in_dims, dtype=f64):
     grid_shape = (GN, *(3, 2, 4)[:spatial], spatial)
 
     def batched(shape, dim, scale):
-        make = lambda: torch.randn(shape, dtype=dtype) * scale  # noqa: E731
+        make = lambda: torch.randn(shape, dtype=dtype) * scale
         return _stack_at(make, dim)
 
     return batched(input_shape, in_dims[0], 1.0), batched(grid_shape, in_dims[1], 0.8)
@@ -470,7 +470,7 @@ def test_grid_sample_sweep(spatial, mode, padding, align_corners, in_dims):
 @pytest.mark.parametrize("in_dims", [(1, 0), (0, 1)])
 def test_grid_sample_where_torch_func_is_wrong(in_dims):
     args = _grid_args(2, in_dims)
-    fn = lambda input, grid: F.grid_sample(input, grid, align_corners=False)  # noqa: E731
+    fn = lambda input, grid: F.grid_sample(input, grid, align_corners=False)
     ref = _loop(fn, args, in_dims)
     wrong = torch.func.vmap(fn, in_dims=in_dims)(*args)  # wrong shape, or wrong values; drop once fixed
     assert wrong.shape != ref.shape or not torch.allclose(wrong, ref)
@@ -479,7 +479,7 @@ def test_grid_sample_where_torch_func_is_wrong(in_dims):
 
 @pytest.mark.parametrize("spatial", [2, 3])
 def test_grid_sample_float32(spatial):
-    fn = lambda input, grid: F.grid_sample(input, grid, mode="bilinear", align_corners=True)  # noqa: E731
+    fn = lambda input, grid: F.grid_sample(input, grid, mode="bilinear", align_corners=True)
     for in_dims in GRID_IN_DIMS:
         args = _grid_args(spatial, in_dims, f32)
         torch.testing.assert_close(functx.vmap(fn, in_dims=in_dims)(*args), _loop(fn, args, in_dims))
@@ -490,7 +490,7 @@ def test_grid_sample_float32(spatial):
     "outer, inner", [((0, None), (None, 0)), ((None, 0), (0, None)), ((0, 0), (1, 0)), ((1, None), (0, 1))]
 )
 def test_grid_sample_nested_vmap(spatial, outer, inner):
-    fn = lambda input, grid: F.grid_sample(input, grid, padding_mode="border", align_corners=False)  # noqa: E731
+    fn = lambda input, grid: F.grid_sample(input, grid, padding_mode="border", align_corners=False)
     input, grid = _grid_args(spatial, (None, None))
     args = [_stack_at(lambda t=t: t + 0.1 * torch.randn_like(t), d) for t, d in zip((input, grid), inner)]
     args = [_stack_at(lambda t=t: t + 0.1 * torch.randn_like(t), d) for t, d in zip(args, outer)]
@@ -503,7 +503,7 @@ def test_grid_sample_nested_vmap(spatial, outer, inner):
 def test_grid_sample_invalid_samples_raise_with_logical_shapes():
     """Not the folded physical shapes, which no sample has."""
     input, grid = _grid_args(2, (0, 0))
-    sample = lambda input, grid: F.grid_sample(input, grid, align_corners=False)  # noqa: E731
+    sample = lambda input, grid: F.grid_sample(input, grid, align_corners=False)
     with pytest.raises(RuntimeError, match=r"same batch size.*\[2, 2, 4, 5\].*\[1, 3, 2, 2\]"):
         functx.vmap(sample, in_dims=(0, 0))(input, grid[:, :1])
     with pytest.raises(RuntimeError, match=r"size 2 in last dimension.*\[2, 3, 2, 3\]"):

@@ -196,7 +196,7 @@ def test_vmap_of_jacrev_through_function_leaving_torch(function, in_dims):
 def test_repro_issue_26_item_1():
     """The issue's program: gx must equal y per row, gy must equal xs."""
     xs, y = torch.randn(5, 3, dtype=D), torch.randn(3, dtype=D)
-    f = lambda a, b: NumpyMulAdd.apply(a, b).sum()  # noqa: E731
+    f = lambda a, b: NumpyMulAdd.apply(a, b).sum()
     gx, gy = functx.vmap(functx.grad(f, argnums=(0, 1)), in_dims=(0, None))(xs, y)
     torch.testing.assert_close(gx, y.expand(5, 3), rtol=0, atol=0)
     torch.testing.assert_close(gy, xs, rtol=0, atol=0)
@@ -585,7 +585,7 @@ def test_native_dropout_is_random_only_in_training(train):
     """torch.native_dropout of an unbatched tensor: random (the policy applies) only with
     train=True, as torch.func."""
     w = torch.randn(50, dtype=D)
-    f = lambda a: torch.native_dropout(w, 0.5, train)[0] + a  # noqa: E731
+    f = lambda a: torch.native_dropout(w, 0.5, train)[0] + a
     x = torch.zeros(B, 50, dtype=D)
     if not train:
         torch.testing.assert_close(functx.vmap(f, randomness="error")(x), w.expand(B, 50))

@@ -249,7 +249,7 @@ def test_channels_last_copies_are_channels_last_per_element():
 def test_conjugate_view_bit_reaches_kernels_that_ignore_it():
     """torch.fft.hfftn asks the logical tensor is_conj() before a c2r kernel."""
     x = torch.randn(5, 6, 7, 3)
-    f = lambda t: torch.fft.hfftn(t, norm="ortho")  # noqa: E731
+    f = lambda t: torch.fft.hfftn(t, norm="ortho")
     with functx.vmap_fallback("error"):
         out = vmap(f, in_dims=-1)(x)
     torch.testing.assert_close(out, _loop(f, x.movedim(-1, 0)))
@@ -264,7 +264,7 @@ def test_zero_dim_input_to_dim_shifting_rules_keeps_op_shapes():
 
 def test_masked_fill_with_batched_fill_value():
     x, mask, value = torch.randn(3, 4, 5), torch.rand(3, 5) > 0.5, torch.randn(3)
-    f = lambda a, m, v: a.masked_fill(m, v)  # noqa: E731
+    f = lambda a, m, v: a.masked_fill(m, v)
     for dims in ((0, 0, 0), (None, 0, 0), (0, None, 0), (None, None, 0)):
         args = [a[0] if d is None else a for a, d in zip((x, mask, value), dims)]
         expected = torch.stack([f(*(a if d is None else a[b] for a, d in zip(args, dims))) for b in range(3)])
@@ -274,7 +274,7 @@ def test_masked_fill_with_batched_fill_value():
 
 def test_cat_promotes_and_skips_legacy_empty_tensors():
     a, b = torch.randn(3, 2, 4), torch.randn(2, 4, dtype=torch.float64)
-    f = lambda x, y: torch.cat([x, torch.empty(0), y], dim=-2)  # noqa: E731
+    f = lambda x, y: torch.cat([x, torch.empty(0), y], dim=-2)
     with functx.vmap_fallback("error"):
         out = vmap(f, in_dims=(0, None))(a, b)
     torch.testing.assert_close(out, torch.stack([f(a[i], b) for i in range(3)]))
@@ -300,7 +300,7 @@ def test_resize_keeps_each_elements_leading_values():
 def test_copy_of_batched_values_into_an_unbatched_shape():
     """Decompositions (linspace with tensor ends) call aten.copy(unbatched, batched)."""
     start, end = torch.randn(3), torch.randn(3)
-    f = lambda s, e: torch.linspace(s, e, 1)  # noqa: E731
+    f = lambda s, e: torch.linspace(s, e, 1)
     with functx.vmap_fallback("error"):
         torch.testing.assert_close(vmap(f)(start, end), _loop(f, start, end))
 
@@ -308,7 +308,7 @@ def test_copy_of_batched_values_into_an_unbatched_shape():
 def test_nested_vmap_over_op_db_style_sample():
     """Two vmap levels over a reduction and a pointwise op with an unbatched argument."""
     x, w = torch.randn(2, 3, 4, 5), torch.randn(5)
-    f = lambda a: (a * w).logsumexp(-1)  # noqa: E731
+    f = lambda a: (a * w).logsumexp(-1)
     with functx.vmap_fallback("error"):
         out = vmap(vmap(f))(x)
     torch.testing.assert_close(out, torch.stack([torch.stack([f(x[i, j]) for j in range(3)]) for i in range(2)]))

@@ -202,7 +202,7 @@ def test_full_like_with_batched_value_raises_like_torch_func():
 
 def test_fill_with_batched_value_gradients_match_torch_func():
     x, v = torch.randn(3, 4), torch.randn(3)
-    f = lambda x, v: (x.clone().fill_(v) * x).sum()  # noqa: E731
+    f = lambda x, v: (x.clone().fill_(v) * x).sum()
     ours = vmap(functx.grad(f, argnums=(0, 1)))(x, v)
     theirs = torch.func.vmap(torch.func.grad(f, argnums=(0, 1)))(x, v)
     torch.testing.assert_close(ours, theirs)
@@ -239,7 +239,7 @@ def test_bernoulli_with_unbatched_p_same_and_different(name):
 
 def test_bernoulli_same_matches_torch_func_support():
     """The issue's case: torch.func gives the same draws for every element; so does functx."""
-    f = lambda x: x.clone().bernoulli_(torch.tensor(0.5))  # noqa: E731
+    f = lambda x: x.clone().bernoulli_(torch.tensor(0.5))
     x = torch.rand(3, 4)
     assert _rows_equal(torch.func.vmap(f, randomness="same")(x))
     assert _rows_equal(vmap(f, randomness="same")(x))
@@ -332,14 +332,14 @@ def test_torch_func_oracle_for_argwhere_and_bincount():
 
 def test_masked_select_with_batched_mask_has_gradients():
     x = torch.tensor([[1.0, -1, 3], [-2, 2, 5]])
-    f = lambda x: (torch.masked_select(x, x > 0) ** 2).sum()  # noqa: E731
+    f = lambda x: (torch.masked_select(x, x > 0) ** 2).sum()
     g = vmap(functx.grad(f))(x)
     torch.testing.assert_close(g, torch.where(x > 0, 2 * x, 0))
 
 
 def test_nonzero_static_keeps_working():
     x = torch.tensor([[[1.0, 0], [0, 2]], [[0, 0], [3, 0]], [[4, 5], [6, 7]]])
-    f = lambda x: torch.nonzero_static(x, size=3, fill_value=-7)  # noqa: E731
+    f = lambda x: torch.nonzero_static(x, size=3, fill_value=-7)
     with functx.vmap_fallback("error"):
         out = vmap(f)(x)
     torch.testing.assert_close(out, loop(f, (x,), (0,)))
@@ -351,7 +351,7 @@ def test_nonzero_static_of_empty_samples(shape, size):
     """Issue 27: samples with no elements raised ZeroDivisionError (unravelling flat positions
     by a 0 extent); plain torch gives `size` rows of fill_value. Against the per-sample loop."""
     x = torch.zeros(shape) if 0 in shape else torch.tensor([[1.0], [0.0], [2.0]])
-    f = lambda x: torch.nonzero_static(x, size=size, fill_value=-5)  # noqa: E731
+    f = lambda x: torch.nonzero_static(x, size=size, fill_value=-5)
     with functx.vmap_fallback("error"):
         out = vmap(f)(x)
     torch.testing.assert_close(out, loop(f, (x,), (0,)))
@@ -416,7 +416,7 @@ def _loop_ctc(f, args, in_dims):
 @pytest.mark.parametrize("form", CTC_FORMS)
 def test_ctc_loss_matches_loop_and_is_vectorized(form, reduction, zero_infinity):
     args, in_dims = _ctc_case(form)
-    f = lambda *a: F.ctc_loss(*a, reduction=reduction, zero_infinity=zero_infinity)  # noqa: E731
+    f = lambda *a: F.ctc_loss(*a, reduction=reduction, zero_infinity=zero_infinity)
     with functx.vmap_fallback("error"):
         out = vmap(f, in_dims=in_dims)(*args)
     torch.testing.assert_close(out, _loop_ctc(f, args, in_dims))
@@ -426,8 +426,7 @@ def test_ctc_loss_matches_loop_and_is_vectorized(form, reduction, zero_infinity)
 @pytest.mark.parametrize("form", CTC_FORMS)
 def test_ctc_loss_per_sample_gradients_match_autograd_loop(form, reduction):
     args, in_dims = _ctc_case(form)
-    loss = lambda lp, *rest: F.ctc_loss(lp, *rest, reduction=reduction).sum()  # noqa: E731
-
+    loss = lambda lp, *rest: F.ctc_loss(lp, *rest, reduction=reduction).sum()
     def autograd_grad(lp, *rest):
         lp = lp.detach().requires_grad_()
         return torch.autograd.grad(loss(lp, *rest), lp)[0]
@@ -441,7 +440,7 @@ def test_ctc_loss_per_sample_gradients_match_autograd_loop(form, reduction):
 def test_ctc_loss_jacrev_runs_the_backward_rule(form):
     """jacrev vmaps _ctc_loss_backward over the basis of cotangents."""
     (lp, tg, il, tl), _ = _ctc_case(form)
-    f = lambda x: F.ctc_loss(x, tg[0], il, tl, reduction="none")  # noqa: E731
+    f = lambda x: F.ctc_loss(x, tg[0], il, tl, reduction="none")
     with functx.vmap_fallback("error"):
         jac = functx.jacrev(f)(lp[0])
     torch.testing.assert_close(jac, torch.autograd.functional.jacobian(f, lp[0]))
@@ -454,13 +453,13 @@ def test_ctc_loss_backward_with_batched_grad_matches_loop(form):
     one = tuple(a[0] if d == 0 else a for a, d in zip((lp, tg, il, tl), in_dims))
     nll, log_alpha = torch._ctc_loss(*one)
     grad = torch.randn(BATCH, N, dtype=lp.dtype)
-    f = lambda g, *a: aten._ctc_loss_backward(g, *a, nll, log_alpha, 0)  # noqa: E731
+    f = lambda g, *a: aten._ctc_loss_backward(g, *a, nll, log_alpha, 0)
     dims = (0, None, None, None, None)
     with functx.vmap_fallback("error"):
         out = vmap(f, in_dims=dims)(grad, *one)
     torch.testing.assert_close(out, _loop_ctc(f, (grad, *one), dims))
     if form == "padded":  # and with the forward's inputs batched too
-        f = lambda g, *a: aten._ctc_loss_backward(g, *a, *torch._ctc_loss(*a), 0)  # noqa: E731
+        f = lambda g, *a: aten._ctc_loss_backward(g, *a, *torch._ctc_loss(*a), 0)
         with functx.vmap_fallback("error"):
             out = vmap(f)(grad, lp, tg, il, tl)
         torch.testing.assert_close(out, _loop_ctc(f, (grad, lp, tg, il, tl), (0, 0, 0, 0, 0)))
@@ -468,7 +467,7 @@ def test_ctc_loss_backward_with_batched_grad_matches_loop(form):
 
 def test_ctc_loss_gradient_of_vmap_matches_loop():
     args, in_dims = _ctc_case("padded")
-    f = lambda *a: F.ctc_loss(*a, reduction="none")  # noqa: E731
+    f = lambda *a: F.ctc_loss(*a, reduction="none")
     lp = args[0].clone().requires_grad_()
     expected = torch.autograd.grad(_loop_ctc(f, (lp, *args[1:]), in_dims).sum(), lp)[0]
     got = functx.grad(lambda lp: vmap(f)(lp, *args[1:]).sum())(args[0])
@@ -477,7 +476,7 @@ def test_ctc_loss_gradient_of_vmap_matches_loop():
 
 def test_ctc_loss_in_nested_vmap_matches_loop():
     (lp, tg, il, tl), in_dims = _ctc_case("padded")
-    f = lambda *a: F.ctc_loss(*a, reduction="none")  # noqa: E731
+    f = lambda *a: F.ctc_loss(*a, reduction="none")
     nested = vmap(vmap(f))(*(a.unflatten(0, (2, 3)) for a in (lp, tg, il, tl)))
     torch.testing.assert_close(nested.flatten(0, 1), _loop_ctc(f, (lp, tg, il, tl), in_dims))
 
@@ -488,6 +487,6 @@ def test_ctc_loss_with_longest_targets_differing_between_elements_raises():
     (lp, tg, il, tl), in_dims = _ctc_case("padded")
     tl = tl.clone()
     tl[0] = torch.tensor([1, 2, 2])
-    f = lambda *a: F.ctc_loss(*a, reduction="none")  # noqa: E731
+    f = lambda *a: F.ctc_loss(*a, reduction="none")
     with pytest.raises(RuntimeError, match=r"(?s)vmap: aten::_ctc_loss .*log_alpha.*per-sample shapes differ"):
         vmap(f)(lp, tg, il, tl)

@@ -216,7 +216,7 @@ def test_setitem_with_batched_scalar_index():
 def test_dropout_inside_grad_inside_vmap_uses_the_batching_rules():
     """F.dropout's input is a grad wrapper around a BatchedTensor: a batched random op."""
     x = torch.ones(4, 50)
-    f = lambda a: (F.dropout(a, 0.5) * a).sum()  # noqa: E731
+    f = lambda a: (F.dropout(a, 0.5) * a).sum()
     g = vmap(functx.grad(f), randomness="different")(x)
     assert any(not torch.equal(g[0], g[i]) for i in range(1, 4))
     with pytest.raises(RuntimeError, match="randomness"):

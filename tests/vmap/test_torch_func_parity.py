@@ -17,7 +17,7 @@ from functx.core import current_stack
 def test_jacrev_of_gelu(approximate, dtype):
     """float32 gelu_backward on the CPU fails on broadcasting operands (oneDNN), which a
     batched cotangent against an unbatched input gave it."""
-    f = lambda t: F.gelu(t, approximate=approximate)  # noqa: E731
+    f = lambda t: F.gelu(t, approximate=approximate)
     x = torch.randn(5, dtype=dtype)
     expected = torch.autograd.functional.jacobian(f, x)
     torch.testing.assert_close(functx.jacrev(f)(x), expected)
@@ -26,7 +26,7 @@ def test_jacrev_of_gelu(approximate, dtype):
     torch.testing.assert_close(
         functx.vmap(functx.jacrev(f))(xs), torch.stack([torch.autograd.functional.jacobian(f, r) for r in xs])
     )
-    g = lambda t: f(t).sum()  # noqa: E731
+    g = lambda t: f(t).sum()
     torch.testing.assert_close(
         functx.hessian(g)(x.double()), torch.autograd.functional.hessian(g, x.double()), atol=1e-10, rtol=1e-7
     )

@@ -89,7 +89,7 @@ def _statistics_with_tangents(interp, input, normalized_shape, mean, rstd):
     dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
     new_mean = input.mean(dims, keepdim=True)
     var = (input - new_mean).pow(2).mean(dims, keepdim=True).view(rstd.shape)
-    primal = lambda t: interp.direct_ad.unpack(t)[0]  # noqa: E731
+    primal = lambda t: interp.direct_ad.unpack(t)[0]
     eps = primal(rstd).pow(-2) - primal(var)
     return new_mean.view(mean.shape), (var + eps).rsqrt()
 
