@@ -396,7 +396,7 @@ def hessian(func, argnums=0, *, chunk_size=None):
     torch.func computes `jacfwd(jacrev(func))`; functx computes reverse-over-reverse,
     `jacrev(jacrev(func))`: the same matrix (a Hessian is symmetric), and here about 1.6x
     faster than forward-over-reverse, whose forward formulas of the backward ops add
-    more dispatches per op than a second backward pass does (benchmarks/README.md).
+    more dispatches per op than a second backward pass does (benchmarks/HISTORY.md, automatic differentiation).
 
     Example:
         >>> import torch, functx
