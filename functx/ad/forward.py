@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import pytree
 from ..core.custom_function import in_function_body
 from ..core.errors import PerformanceWarning
-from ..core.interpreter import functx_code, interpreting, top_interpreter
+from ..core.interpreter import current_stack, functx_code, interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
 from .choose import choose_level
@@ -212,7 +212,11 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
         try:
             return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=True)
         except NotImplementedError as again:
-            if NO_FORWARD_FORMULA not in str(again):
+            if NO_FORWARD_FORMULA not in str(again) or _forward_level_outside():
+                # (under another forward transform the op may be that level's, a jvp on values
+                # whose torch forward AD met the op in this one's formulas: its own fallback
+                # decides, and the outermost refuses: jvp(jvp(jacfwd)) of a Huber loss of
+                # `x * no_grad(x ** 2)` was refused by the middle jvp)
                 raise
             raise RuntimeError(
                 f"{api}: {str(error).splitlines()[0]} functx computes such a jvp by the double-VJP "
@@ -222,6 +226,10 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
                 f"region out of the function (or use .detach() for what it should stop), or avoid the "
                 f"op without a forward formula."
             ) from again
+
+
+def _forward_level_outside() -> bool:
+    return any(isinstance(level, (DirectJvpLevel, WrappedJvpLevel)) for level in current_stack())
 
 
 def jvp_by_double_vjp(op, primals, tangents, kwargs, error):

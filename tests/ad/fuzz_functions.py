@@ -70,7 +70,9 @@ class PlainFn(_Saving):
 class NumpyFn(_Saving):
     @staticmethod
     def forward(x, y):
-        xn, yn = x.detach().numpy(), y.detach().numpy()
+        # resolved first, as NumPy code must be written: `.numpy()` refuses a lazy negative
+        # view (`fft(v).conj().imag` is one), in plain torch as under every transform
+        xn, yn = x.detach().resolve_neg().numpy(), y.detach().resolve_neg().numpy()
         return torch.as_tensor(np.sin(xn) + xn * yn)
 
     @staticmethod

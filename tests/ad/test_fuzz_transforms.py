@@ -921,9 +921,10 @@ class Case:
 
     def inputs(self):
         g = torch.Generator().manual_seed(self.seed)
+        moved = 1.0 + getattr(_RUN, "perturbation", 0.0)  # _rounding_noise moves the inputs
         if self.expand:
-            return [torch.randn(s[:-1] + (1,), dtype=D, generator=g).expand(s) for s in self.program.inputs]
-        return [torch.randn(s, dtype=D, generator=g) for s in self.program.inputs]
+            return [(torch.randn(s[:-1] + (1,), dtype=D, generator=g) * moved).expand(s) for s in self.program.inputs]
+        return [torch.randn(s, dtype=D, generator=g) * moved for s in self.program.inputs]
 
     def build(self, lib):
         f, out = self.program, self.program.out_shape
@@ -946,7 +947,8 @@ class Case:
 
     def _run_under_the_callers_autograd(self, lib):
         g = torch.Generator().manual_seed(self.seed + 1)
-        leaves = [torch.randn(s[:-1] + (1,) if self.expand else s, dtype=D, generator=g).requires_grad_() for s in self.program.inputs]
+        moved = 1.0 + getattr(_RUN, "perturbation", 0.0)
+        leaves = [(torch.randn(s[:-1] + (1,) if self.expand else s, dtype=D, generator=g) * moved).requires_grad_() for s in self.program.inputs]
         inputs = [x.expand(s) if self.expand else x for x, s in zip(leaves, self.program.inputs)]
         out = self.build(lib)(*inputs)
         weights = torch.randn(out.shape, dtype=D, generator=g)
@@ -1238,7 +1240,7 @@ KNOWN_WRONG_VALUES = {
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
     # test_regression_vjp_of_vmap_of_hessian_of_det
     "torch.linalg.det differentiated three times (NaN; torch.func too)": lambda c: _has_op(c, "linalg", kind="det")
-    and _ad_depth(c) >= 3,
+    and _ad_depth(c) + c.caller >= 3,  # the caller's autograd is one more order
     # (Fixed, issue 26: torch.linalg solve, det and eigvalsh under reverse over forward;
     # test_regression_vjp_of_jvp_of_solve, test_regression_vjp_of_jvp_of_det,
     # test_regression_vjp_of_jvp_of_grad_of_eigvalsh.)
@@ -1267,8 +1269,9 @@ def check(case, lib=functx, rtol=RTOL, atol=ATOL):
     fuzzing = currently_in_test_context()
     try:
         expected = case.run(Ref).detach()
-    except torch.linalg.LinAlgError:  # the drawn values make a matrix singular (the reference's own failure)
+    except Exception:  # plain torch cannot run the program (a singular matrix, a neg-bit tensor's new_tensor)
         if fuzzing:
+            event("the reference raises: not a valid program")
             assume(False)
         raise
     tame = bool(torch.isfinite(expected).all() and expected.abs().max() < 1e4)  # exp/pow chains can blow up
@@ -1302,7 +1305,30 @@ def check(case, lib=functx, rtol=RTOL, atol=ATOL):
         if fuzzing and known:
             event(f"known functx wrong value: {known[0]}")
             return
-        raise AssertionError(f"{mismatch}\nfunctx:    {actual}\nreference: {expected}") from None
+        noise = _rounding_noise(case, expected)
+        if torch.isfinite(actual).all() and (actual - expected).abs().max() <= 3 * noise:
+            if fuzzing:
+                event("within the reference's own rounding noise (an ill-conditioned program)")
+            return
+        raise AssertionError(f"{mismatch}\nfunctx:    {actual}\nreference: {expected}\n(the reference's rounding noise: {noise:.2e})") from None
+
+
+def _rounding_noise(case, expected) -> float:
+    """How far the float64 reference itself moves when its inputs move by 1e-12 relative:
+    in a well-conditioned program ~1e-12 times a derivative, in an ill-conditioned one (the
+    inverse of a Gram matrix of x**12, an exp of a power spectrum) the rounding errors of
+    its own operations, which reached 6e-5 on values of 1: there functx and the reference
+    (and torch.func) may differ by that much and neither is wrong. A wrong value, off by
+    O(1) in a well-conditioned program, stays far outside it."""
+    spread = 0.0
+    for k in (1, -1, 2, -2):
+        _RUN.perturbation = k * 1e-12
+        try:
+            moved = case.run(Ref).detach()
+        finally:
+            _RUN.perturbation = 0.0
+        spread = max(spread, float((moved - expected).abs().max()))
+    return spread
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1452,8 +1478,10 @@ def test_reference_matches_finite_differences(case):
     reach 1e5 through exp(det): 1.4e-5 relative at 3,000 examples); a wrong reference is
     off by O(1).
     No detach here: differences see through it. An amax of expanded inputs is taken at a
-    tie (equal elements), where it has no derivative for differences to find."""
-    assume(not (case.expand and any(op.name == "amax" for op in case.program.ops)))
+    tie (equal elements), where it has no derivative for differences to find; the FFT of
+    equal elements is exactly zero off its first bin, where a `where` switches."""
+    # (and the FFT of equal elements has exact zeros, where `where(v > 0, ...)` has a kink)
+    assume(not (case.expand and any(op.name in ("amax", "spectral") for op in case.program.ops)))
     # the function's own size bounds the differences' rounding error (~1e-10 |f| / step):
     # tame values only (exp of a Gram product reached 1e-3 relative error)
     value = Case(case.program, [], case.seed, case.expand).run(Ref).detach()
@@ -1955,6 +1983,15 @@ def test_regression_vjp_of_vmap_of_hessian_of_det():
     check(Case(program, [T("vjp", seed=0), T("vmap", in_dims=(0, None), out_dims=0, size=1), T("hessian", argnums=0, seed=0)]))
 
 
+@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
+def test_regression_callers_grad_of_jacrev_of_jacrev_of_det():
+    """The caller's gradient through jacrev(jacrev(det(G))): the third order through the
+    caller's autograd, NaN as in test_regression_vjp_of_vmap_of_hessian_of_det (found by the
+    10,000-example run; KNOWN_WRONG_VALUES now counts the caller as an order)."""
+    program = Program([(3,)], [Op("gram"), Op("linalg", kind="det"), Op("expand")])
+    check(Case(program, [T("jacrev", argnums=0), T("jacrev", argnums=0)], caller=True))
+
+
 def test_regression_vjp_of_jvp_of_grad_of_eigvalsh():
     """vjp(jvp(grad(eigvalsh(x^T x + diag(1, 2, 3))))) (distinct eigenvalues): functx and
     torch.func gave NaN; the reference is finite and agrees with central differences of its
@@ -2198,3 +2235,40 @@ def test_regression_jvp_of_hessian_through_conj_real(kind):
     outside the forward-AD state of the values, and the outer jvp lost that tangent; it is
     now resolved with the op, in that state (ad/wrapped_reverse.py, core/level_tensor.py)."""
     check(Case(Program([(3,)], [Op("sin"), Op("spectral", kind=kind), Op("sin")]), [T("jvp", seed=0), T("hessian", argnums=0)]))
+
+
+# Found by the 10,000-example run of this session's fuzzer (issue 26).
+def test_regression_jvp_of_jvp_of_jacfwd_of_a_huber_loss_with_a_no_grad_region():
+    """jvp(jvp(jacfwd)) of a Huber loss of `x0 * no_grad(x0 ** 2)`: "Trying to use forward
+    AD with huber_loss_backward" raised by the middle jvp, whose fallbacks (double VJP,
+    then a wrapped level) met the outermost jvp's op: the outer jvp on values runs torch's
+    forward AD over the inner levels' formulas. Under another forward transform the error
+    now goes on to that level's fallback; the outermost refuses, if it must."""
+    program = Program([(4,), (3,)], [Op("no_grad", body="pow"), Op("loss", kind="huber_loss", red="mean", seed=0), Op("binary", kind="add", j=1)])
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0), T("jacfwd", argnums=1)]))
+    check(Case(program, [T("jvp", seed=0), T("jvp", seed=0), T("jacfwd", argnums=0)]))
+
+
+@pytest.mark.parametrize("stack", [[T("vjp", seed=0)], [T("vjp_fn", argnum=0, outside=False, seed=0)], [T("jvp", seed=0)], [T("vmap", in_dims=(0,), out_dims=0, size=2)]])
+def test_regression_numpy_function_of_a_lazily_negated_value(stack):
+    """A NumPy-forward Function given `fft(x).conj().imag`, a lazy negative view: its
+    `.numpy()` refuses the view unless resolved (in plain torch as under any transform;
+    the fuzzer's NumpyFn resolves it, as NumPy code must): then right at every level."""
+    shape = [(2, 3)] if stack[0].kind == "vmap" else [(3,)]
+    program = Program(shape, [Op("spectral", kind="conj_imag"), Op("function", cls="numpy", j=0)])
+    check(Case(program, stack))
+
+
+def test_ill_conditioned_programs_are_judged_within_the_references_rounding_noise():
+    """The harness's tolerance for ill-conditioned programs (found by the 10,000-example
+    run: hessian of inv of a Gram matrix of x**12, where functx, the reference and
+    torch.func differ by 4e-5 on values of 1, and central differences by 1e-4): the
+    reference's own movement under a 1e-12 relative move of its inputs, ~6e-5 there. A
+    well-conditioned program's stays ~1e-12, so a wrong value cannot hide in it."""
+    ill = Case(Program([(3,)], [Op("pow", p=2), Op("pow", p=2), Op("pow", p=3), Op("linalg", kind="inv")]), [T("hessian", argnums=0, seed=0)])
+    well = Case(Program([(3,)], [Op("sin"), Op("linalg", kind="inv")]), [T("hessian", argnums=0, seed=0)])
+    assert _rounding_noise(ill, ill.run(Ref).detach()) > 1e-5
+    assert _rounding_noise(well, well.run(Ref).detach()) < 1e-10
+    check(ill)
+    check(well)
+
