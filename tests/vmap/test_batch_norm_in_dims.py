@@ -10,7 +10,7 @@ it once) and its own update to a batched one. (torch.func runs them but leaves t
 unbatched running stat un-updated; the per-sample loop decides, see `loop_reference`.)
 The same refusal hit `vmap(grad(f))` / `vmap(jvp(...))` with an unbatched differentiated
 input and an unbatched running stat: the direct AD level gives such an input a batch dim
-(an expand, README "grad, jacrev and jvp inside vmap"), so batch norm saw a batched input
+(an expand, docs/architecture.md "grad, jacrev and jvp inside vmap"), so batch norm saw a batched input
 holding the same value in every element, where torch.func sees an unbatched one.
 
 Every case is compared with `loop_reference`, a float64 per-sample loop of plain PyTorch:

@@ -198,7 +198,7 @@ def test_layer_norm_hvp_under_three_vmaps_and_mixed_in_dims():
 
 
 def test_layer_norm_hessian_under_two_vmaps_still_raises_clearly():
-    """README's known gap, unchanged: `vmap(vmap(hessian(f)))` through layer norm raises
+    """docs/status.md's known gap, unchanged: `vmap(vmap(hessian(f)))` through layer norm raises
     (torch's double-backward formula writes a value batched at the outer vmap in place into
     a temporary batched only at the inner one) instead of returning a wrong number, and
     leaves no interpreter on the stack."""
