@@ -1,4 +1,4 @@
-"""Staging functx transforms: torch.compile support (and, later, `functx.jit`).
+"""Staging functx transforms: torch.compile support and `functx.jit` on it.
 
 Importing torch._dynamo costs over a second, so functx does not: `watch_for_dynamo()`
 registers functx's entry points with dynamo when something else imports it (torch.compile
