@@ -1,0 +1,107 @@
+"""The interpreter contract as it stands, executable: a toy level built on `core/` alone.
+
+A level is an `Interpreter` on the stack (`interpreting`) whose tensors are `LevelTensor`s;
+every ATen op touching one reaches its `process(op, args, kwargs)`, which computes one level
+down (on the values under its own wrappers, where lower levels see the op) and wraps what
+comes back. `Tracer` below is the whole of such a level: it records the ops it sees. The
+tests drive it through what the contract promises: composition both ways with a real
+transform, the stack left as it was after an exception, a finished level's tensors standing
+for their values, and the one door for an autograd.Function (a level with no Function rule
+refuses it clearly).
+"""
+
+import pytest
+import torch
+
+import functx
+from functx.core.interpreter import Interpreter, current_stack, interpreting
+from functx.core.level_tensor import LevelTensor, wrapper_like
+
+
+class TracedTensor(LevelTensor):
+    pass
+
+
+class Tracer(Interpreter):
+    """Records each op of its tensors, computes it one level down, wraps the results."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def wrap(self, value):
+        return wrapper_like(TracedTensor, value, self)
+
+    def unwrap(self, x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.unwrap(e) for e in x)
+        return x._value if type(x) is TracedTensor and x._interp is self else x
+
+    def process(self, op, args, kwargs):
+        self.ops.append(op.__name__)
+        out = op(*self.unwrap(args), **{k: self.unwrap(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return self.wrap(out)
+        if isinstance(out, (list, tuple)):
+            return type(out)(self.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+
+def traced(f, x):
+    with interpreting(Tracer()) as level:
+        out = f(level.wrap(x))
+        return level.unwrap(out), level.ops
+
+
+def test_a_level_sees_its_ops_and_computes_one_level_down():
+    x = torch.randn(3)
+    out, ops = traced(lambda t: (t.sin() * 2).sum(), x)
+    torch.testing.assert_close(out, (x.sin() * 2).sum())
+    assert ops == ["sin.default", "mul.Tensor", "sum.default"]
+
+
+def test_it_composes_with_a_transform_both_ways():
+    xs = torch.randn(4, 3)
+    f = lambda t: (t.sin() * t).sum()
+    expected = torch.stack([torch.cos(x) * x + torch.sin(x) for x in xs])
+    # the tracer inside vmap(grad): it sees per-sample ops on the transforms' tensors
+    inside = functx.vmap(functx.grad(lambda t: traced(f, t)[0]))(xs)
+    torch.testing.assert_close(inside, expected)
+    # vmap(grad) inside the tracer: the transforms see the tracer's tensors as values
+    outside, ops = traced(lambda t: functx.vmap(functx.grad(f))(t), xs)
+    torch.testing.assert_close(outside, expected)
+    assert "mul.Tensor" in ops  # the batched computation ran through the tracer below
+    assert current_stack() == ()
+
+
+def test_the_stack_is_restored_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with interpreting(Tracer()):
+            raise RuntimeError("boom")
+    assert current_stack() == ()
+
+
+def test_a_finished_levels_tensor_stands_for_its_value():
+    kept = []
+    traced(lambda t: kept.append(t * 3) or t, torch.ones(2))
+    assert not kept[0]._interp.alive
+    torch.testing.assert_close(kept[0] + 1, torch.full((2,), 4.0))  # plain torch from now on
+
+
+def test_an_autograd_function_at_a_level_without_a_rule_is_refused_clearly():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    with pytest.raises(NotImplementedError, match="Tracer levels do not support torch.autograd.Function"):
+        traced(Double.apply, torch.ones(2))
+    assert current_stack() == ()
