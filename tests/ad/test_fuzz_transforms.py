@@ -1964,11 +1964,11 @@ def test_regression_jacfwd_of_grad_write_into_reduction_result():
 def test_regression_hessian_of_grad_of_det():
     """hessian(grad(sin(det(x^T x + diag(1, 2, 3))))): NaN in functx and torch.func; the
     reference (reverse mode three times) is finite, as plain torch's forward AD over two
-    create_graph backwards is. torch's det backward, differentiable under grad mode,
-    computes an SVD branch for singular inputs beside the solve and selects with `where`;
-    differentiated again through functx's wrapped levels, that branch takes the SVD of an
-    orthogonal U (repeated singular values: a NaN tangent), and the zero cotangent of the
-    unselected branch times it is NaN. Fixed for this stack (issue 26): hessian's inner
+    create_graph backwards is. torch's det backward under create_graph uses its SVD formula
+    for every matrix when the tensors are subclasses (functx's and torch.func's wrappers;
+    plain tensors' second-derivative graph holds no SVD): differentiated again, it takes the
+    SVD of det's orthogonal factor U, whose repeated singular values make svd_backward
+    divide by zero gaps: NaN. Fixed for this stack (issue 26): hessian's inner
     jacrev, right inside the outermost grad level, records on the values (choose.py,
     `_jacrev_on_values`); test_regression_vjp_of_vmap_of_hessian_of_det still is NaN."""
     program = Program([(3,)], [Op("linalg", kind="det"), Op("sin")])
