@@ -46,6 +46,7 @@ _DUAL_LEVEL = 0  # functx attaches torch-level tangents at torch's one dual leve
 _unpack_dual = torch._VF._unpack_dual
 _FORWARD_RULES: dict = {}
 _FORWARD_DECOMPOSITIONS: dict = {}
+_REVERSE_DECOMPOSITIONS: dict = {}  # op -> (applies(*args, **kwargs), decomposition)
 _BACKEND_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradMeta", "AutogradPrivateUse1")
 
 
@@ -65,6 +66,14 @@ def register_forward_decomposition(op: torch._ops.OpOverload, decomposition: Cal
     tangent `op`'s own kernel runs. For ATen operators whose own forward formula fails
     (ad/aten_forward_rules.py)."""
     _FORWARD_DECOMPOSITIONS[op] = decomposition
+
+
+def register_reverse_decomposition(op: torch._ops.OpOverload, applies: Callable, decomposition: Callable) -> None:
+    """Where `applies(*args, **kwargs)`, compute `op` as `decomposition(*args, **kwargs)`, so
+    autograd records the decomposition's ops instead of `op`'s formula (whose higher
+    derivatives fail on the arguments it applies to: ad/aten_reverse_rules.py); elsewhere
+    `op`'s own kernel runs. The op's autograd kernel must be wrapped (`wrap_existing`)."""
+    _REVERSE_DECOMPOSITIONS[op] = (applies, decomposition)
 
 
 def _unpacked(value, part: str):
@@ -90,7 +99,16 @@ def _attach(out, tangent):
 def forward_aware(op: torch._ops.OpOverload, kernel: Callable) -> Callable:
     """`kernel` (an autograd kernel taking the dispatch keyset first) that never drops a tangent."""
 
+    reverse = _REVERSE_DECOMPOSITIONS.get(op)
+    # an ATen operator wrapped for its reverse rule only keeps torch's forward formula
+    own_forward_formula = reverse is not None and op not in _FORWARD_RULES and op not in _FORWARD_DECOMPOSITIONS
+
     def autograd_kernel(keyset, *args, **kwargs):
+        if reverse is not None:
+            if reverse[0](*args, **kwargs):
+                return reverse[1](*args, **kwargs)
+            if own_forward_formula:
+                return kernel(keyset, *args, **kwargs)
         # no dual level open (torch's and functx's forward transforms open one through
         # forward_ad, which records it): no tangent can be here; a plain call pays ~0.1 µs
         if _forward_ad._current_level < 0 or not torch._C._is_fwd_grad_enabled():

@@ -1180,10 +1180,6 @@ def _kinds(case):
     return [t.kind for t in case.stack]
 
 
-def _ad_depth(case):
-    return sum(2 if k == "hessian" else k != "vmap" for k in _kinds(case))
-
-
 # Known functx bugs the fuzzer finds (functx raises, torch.func computes): a fuzz run that
 # meets one records it as an event instead of failing, so CI stays a check of everything
 # else; each has a regression case below marked xfail(strict), which starts failing (XPASS)
@@ -1238,9 +1234,9 @@ KNOWN_WRONG_VALUES = {
     # (Fixed, issue 26: a NumPy-forward Function under two AD levels, an old-style Function
     # under forward over reverse; test_regression_hessian_of_numpy_function,
     # test_regression_grad_of_jacrev_of_numpy_function, test_regression_jvp_of_jacrev_of_old_style_function.)
-    # test_regression_vjp_of_vmap_of_hessian_of_det
-    "torch.linalg.det differentiated three times (NaN; torch.func too)": lambda c: _has_op(c, "linalg", kind="det")
-    and _ad_depth(c) + c.caller >= 3,  # the caller's autograd is one more order
+    # (Fixed, issue 26: torch.linalg.det differentiated three times, NaN as in torch.func:
+    # ad/aten_reverse_rules.py; test_regression_vjp_of_vmap_of_hessian_of_det,
+    # test_regression_callers_grad_of_jacrev_of_jacrev_of_det.)
     # (Fixed, issue 26: torch.linalg solve, det and eigvalsh under reverse over forward;
     # test_regression_vjp_of_jvp_of_solve, test_regression_vjp_of_jvp_of_det,
     # test_regression_vjp_of_jvp_of_grad_of_eigvalsh.)
@@ -1975,19 +1971,19 @@ def test_regression_hessian_of_grad_of_det():
     check(Case(program, [T("hessian", argnums=0, seed=0), T("grad", argnums=0, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
 def test_regression_vjp_of_vmap_of_hessian_of_det():
     """vjp over vmap over hessian of `sin(det(G)) + x1.sum()`: NaN (the cause of
-    test_regression_hessian_of_grad_of_det, through wrapped levels)."""
+    test_regression_hessian_of_grad_of_det, through wrapped levels). Fixed: inside
+    transforms det's derivatives go through slogdet (ad/aten_reverse_rules.py)."""
     program = Program([(3,), (3,)], [Op("linalg", kind="det"), Op("sin"), Op("binary", kind="add", j=1)])
     check(Case(program, [T("vjp", seed=0), T("vmap", in_dims=(0, None), out_dims=0, size=1), T("hessian", argnums=0, seed=0)]))
 
 
-@pytest.mark.xfail(strict=True, reason="functx wrong value (torch.func's too): NaN from det differentiated three times")
 def test_regression_callers_grad_of_jacrev_of_jacrev_of_det():
     """The caller's gradient through jacrev(jacrev(det(G))): the third order through the
     caller's autograd, NaN as in test_regression_vjp_of_vmap_of_hessian_of_det (found by the
-    10,000-example run; KNOWN_WRONG_VALUES now counts the caller as an order)."""
+    10,000-example run): det on plain values, its backward run by jacrev's rows on batched
+    cotangents, where torch's formula takes its subclass (SVD) path. Fixed with it."""
     program = Program([(3,)], [Op("gram"), Op("linalg", kind="det"), Op("expand")])
     check(Case(program, [T("jacrev", argnums=0), T("jacrev", argnums=0)], caller=True))
 
