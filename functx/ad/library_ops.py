@@ -10,6 +10,10 @@ computes its output's tangent; any other raises torch's own "Trying to use forwa
 error, which functx's forward transforms answer by the double-VJP identity from the
 operator's registered backward (forward.py), and which torch.func users see instead of zeros.
 
+The same wrapping shadows the autograd kernels of a few ATen operators whose own formulas
+fail under transforms: forward (`register_forward_decomposition`, ad/aten_forward_rules.py)
+or reverse at higher orders (`register_reverse_decomposition`, ad/aten_reverse_rules.py).
+
 Which kernels: every operator registered after functx is imported (torch builds each such
 kernel with `torch._library.autograd.make_autograd_impl`, which functx wraps here), and those
 registered before (`custom_op`s, and the ones a module names through `wrap_existing`),
@@ -97,7 +101,8 @@ def _attach(out, tangent):
 
 
 def forward_aware(op: torch._ops.OpOverload, kernel: Callable) -> Callable:
-    """`kernel` (an autograd kernel taking the dispatch keyset first) that never drops a tangent."""
+    """`kernel` (an autograd kernel taking the dispatch keyset first) that never drops a
+    tangent, and runs `op`'s reverse decomposition where one is registered and applies."""
 
     reverse = _REVERSE_DECOMPOSITIONS.get(op)
     # an ATen operator wrapped for its reverse rule only keeps torch's forward formula
