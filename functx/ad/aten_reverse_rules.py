@@ -10,8 +10,8 @@ factor U, whose repeated singular values make torch's SVD backward divide by zer
 derivative, were NaN (torch.func's are); so were those of a det on plain values whose
 backward a transform runs on batched cotangents (jacrev's rows: the subclass path again).
 Inside a transform, where autograd records det and every matrix is invertible, functx
-computes det's value with torch's kernel and its derivatives through `slogdet` (sign ·
-exp(log|det|), whose backward solves with A^H at every order); a singular matrix keeps
+computes det as sign · exp(log|det|) through `slogdet` (torch's value to rounding; its
+backward solves with A^H at every order); a singular matrix keeps
 torch's formula (its first derivative, the adjugate, is right there), as do code outside
 transforms and traced (fake) values.
 
@@ -24,6 +24,8 @@ transforms and traced (fake) values.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.interpreter import FIRST_TRANSFORM_HOOKS, current_stack
@@ -31,6 +33,7 @@ from ..core.level_tensor import LevelTensor
 from . import library_ops
 
 _linalg_det = torch.ops.aten._linalg_det.default
+_forward_ad_off = functools.partial(torch.autograd.forward_ad._set_fwd_grad_enabled, False)
 
 
 def _plain(x):
@@ -54,13 +57,14 @@ def _invertible_under_a_transform(A) -> bool:
 
 
 def _det_through_slogdet(A):
-    """`_linalg_det(A)`: the value and LU from torch's kernel, the derivatives of
-    sign · exp(log|det|) added as an exact zero (v - v.detach())."""
-    with torch.no_grad():
-        value, lu, pivots = _linalg_det(A)
+    """`_linalg_det(A)` as sign · exp(log|det|) (torch's value to rounding), with torch's LU
+    and pivots as constants (outputs without derivatives, as the op's own). Every level
+    differentiates the one expression: adding torch's value to a zero made with `detach()`
+    counted the tangent twice under `jvp(grad)` (forward AD kept the value's tangent)."""
+    with torch.no_grad(), _forward_ad_off():
+        _, lu, pivots = _linalg_det(A)
     sign, logabsdet = torch.linalg.slogdet(A)
-    through = sign * torch.exp(logabsdet)
-    return value + (through - through.detach()), lu, pivots
+    return sign * torch.exp(logabsdet), lu, pivots
 
 
 library_ops.register_reverse_decomposition(_linalg_det, _invertible_under_a_transform, _det_through_slogdet)
