@@ -67,6 +67,10 @@ class Interpreter:
         """Called when it leaves the stack, also after an exception (undo `pushed`)."""
 
     # -- after the transform returned (see level_tensor._dispatch_with_dead_levels) --
+    # whether `unwrap_dead` may run with autograd restored (so what it takes keeps a graph);
+    # a level whose values must be read in __torch_dispatch__'s own state says no
+    dead_values_with_autograd = True
+
     def unwrap_dead(self, x):
         """What a wrapper of this (finished) level stands for one level down."""
         return x._value

@@ -263,19 +263,24 @@ def _dispatch_with_dead_levels(op, args, kwargs):
         # differentiate prims that have no forward formula.
         x = args[0]
         return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
-    dead = None
+    dead, with_autograd = None, True
     for a in (*args, *kwargs.values()):
         for t in a if type(a) is list or type(a) is tuple else (a,):
             if isinstance(t, LevelTensor) and not t._interp.alive:
+                with_autograd = with_autograd and t._interp.dead_values_with_autograd
                 if dead is None or t._interp.level > dead.level:
                     dead = t._interp
-    with torch._C._RestorePythonTLSSnapshot():
-        # what the dead wrappers stand for, taken with autograd restored too: vmap's one
-        # element of an expanded input (`value[0]`) keeps its graph to the caller's tensor
-        # (taken below autograd it had none: an escaped slice of a parameter the caller
-        # tracks lost its derivative, where torch.func's escaped slice keeps it)
+    if not with_autograd:  # (functionalize's must be read inside __torch_dispatch__'s state)
         values = tuple(unwrap_dead(a) for a in args)
         kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
+    with torch._C._RestorePythonTLSSnapshot():
+        if with_autograd:
+            # what the dead wrappers stand for, taken with autograd restored too: vmap's one
+            # element of an expanded input (`value[0]`) keeps its graph to the caller's
+            # tensor (taken below autograd it had none: an escaped slice of a parameter the
+            # caller tracks lost its derivative, where torch.func's escaped slice keeps it)
+            values = tuple(unwrap_dead(a) for a in args)
+            kw_values = {k: unwrap_dead(v) for k, v in kwargs.items()}
         # In the forward-AD state of the values, as every level's rule one level down
         # (core/dual_values.py): a `vjp_fn` called with a cotangent of a live level over a jvp
         # on values runs its backward under `at_wrappers` (forward AD off for those wrappers),

@@ -89,6 +89,7 @@ class FunctionalizeInterpreter(Interpreter):
     (`remove="mutations_and_views"`)."""
 
     __slots__ = ("reapply_views", "_lifting")
+    dead_values_with_autograd = False  # its values are read through torch's functional state
 
     def __init__(self, reapply_views: bool):
         super().__init__()
