@@ -78,6 +78,8 @@ import warnings
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from ..core import pytree
+
 RETRACE_WARNING_AFTER = 4
 _modes_on_stack = torch._C._len_torch_dispatch_stack
 
@@ -100,7 +102,7 @@ _REFUSED = object()  # a signature torch.compile refused: run eagerly
 
 def _tensor_versions(args, kwargs) -> list:
     """The version counters of the tensors among the arguments (an in-place write bumps one)."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    leaves = pytree.tree_leaves((args, kwargs))
     return [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 

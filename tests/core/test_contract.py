@@ -16,6 +16,7 @@ import torch
 import functx
 from functx.core.interpreter import Interpreter, current_stack, interpreting
 from functx.core.level_tensor import LevelTensor, wrapper_like
+from tests.autograd_functions import NoVmapSupport
 
 
 class TracedTensor(LevelTensor):
@@ -89,19 +90,6 @@ def test_a_finished_levels_tensor_stands_for_its_value():
 
 
 def test_an_autograd_function_at_a_level_without_a_rule_is_refused_clearly():
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
     with pytest.raises(NotImplementedError, match="Tracer levels do not support torch.autograd.Function"):
-        traced(Double.apply, torch.ones(2))
+        traced(NoVmapSupport.apply, torch.ones(2))
     assert current_stack() == ()
