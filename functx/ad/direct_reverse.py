@@ -63,13 +63,13 @@ def install_direct_level(vmap_levels, level):
     """Point the `direct_ad` slot of `vmap_levels` at `level`; return what was there."""
     previous = tuple(v.direct_ad for v in vmap_levels)
     for v in vmap_levels:
-        v.direct_ad = level
+        v.ride(direct_ad=level)
     return previous
 
 
 def restore_direct_level(vmap_levels, previous):
     for v, value in zip(vmap_levels, previous):
-        v.direct_ad = value
+        v.ride(direct_ad=value)
 
 
 def install_above(level):
@@ -79,13 +79,13 @@ def install_above(level):
     below = [v for v in current_stack() if type(v) is VmapInterpreter]
     previous = [(v, v.ad_above) for v in below]
     for v in below:
-        v.ad_above = True
+        v.ride(ad_above=True)
     return previous
 
 
 def restore_above(previous):
     for v, flag in previous:
-        v.ad_above = flag
+        v.ride(ad_above=flag)
 
 
 # the key in an autograd node's metadata naming the direct grad level whose leaf for an

@@ -64,6 +64,7 @@ class ADLevel(Interpreter):
         below = [level for level in current_stack() if isinstance(level, ADLevel)]
         self.under_forward = any(level.forward_mode for level in below)
         self.under_ad = bool(below)
+        self.refresh()
 
     # Results leave as values one level down; what they carry belongs to lower levels.
     reaches_outside = True

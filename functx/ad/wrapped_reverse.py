@@ -75,10 +75,38 @@ class GradTensor(LevelTensor):
     __str__ = __repr__
 
 
+class _restore_without_grad:
+    """Outside's dispatch state with grad mode off (a level opened under `torch.no_grad()`)."""
+
+    __slots__ = ("_guards",)
+
+    def __enter__(self):
+        self._guards = (_restore_autograd(), torch.no_grad())
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
+
+
+def _no_context_factory():
+    return _no_context
+
+
 class WrappedGradLevel(WrappedLevel):
     """One `grad`/`vjp` level over wrapper tensors (see the module docstring)."""
 
-    __slots__ = ()
+    __slots__ = ("_lower_into_vmap",)
+
+    def refresh(self):
+        """`lower`: outside's dispatch state (the levels below record the op) with the grad
+        mode of outside the transform; `_lower_into_vmap`, for ops whose values all go to a
+        vmap level's rule (which restores the state itself), that grad mode alone."""
+        if self.prev_grad_mode:
+            self.lower, self._lower_into_vmap = _restore_autograd, _no_context_factory
+        else:
+            self.lower, self._lower_into_vmap = _restore_without_grad, torch.no_grad
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def leaf(self, x):
@@ -146,25 +174,21 @@ class WrappedGradLevel(WrappedLevel):
             for a in args
         ]
         kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if op is _view_as_real and values[0].is_conj():
+            # The wrapper of a lazily conjugated value does not carry the conj bit itself
+            # (copying it breaks second-order gradients of complex ops), so user-level
+            # `resolve_conj()` never reached the value: resolve it here, with the op, where
+            # the levels below record it (resolved outside, its graph was lost: a third
+            # derivative through `x.conj().real` was wrong)
+            op = view_as_real_resolved
         # A vmap rule restores autograd for the physical values itself; restoring it here
         # too would also record the op on the BatchedTensor wrappers: a second graph nobody
         # differentiates (and its saved-tensor detaches).
-        with _no_context if _lands_in_vmap(values) else _restore_autograd():
-            if op is _view_as_real and values[0].is_conj():
-                # The wrapper of a lazily conjugated value does not carry the conj bit itself
-                # (copying it breaks second-order gradients of complex ops), so user-level
-                # `resolve_conj()` never reached the value: resolve it here, with the op,
-                # where the levels below record it (resolved outside, its graph was lost: a
-                # third derivative through `x.conj().real` was wrong)
-                op = view_as_real_resolved
+        with (self._lower_into_vmap if _lands_in_vmap(values) else self.lower)():
             if self.over_dual_values:  # core/dual_values.py
-                with _no_context if self.prev_grad_mode else torch.no_grad():
-                    out = call_at_values(op, values, kw_values, down_state())
-            elif self.prev_grad_mode:
-                out = op(*values, **kw_values)
+                out = call_at_values(op, values, kw_values, down_state())
             else:
-                with torch.no_grad():
-                    out = op(*values, **kw_values)
+                out = op(*values, **kw_values)
         if mutated is None and isinstance(out, torch.Tensor):  # the common case
             return GradTensor(out, self)
         return self._wrap_result(op, args, mutated, out)

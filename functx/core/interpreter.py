@@ -43,7 +43,7 @@ class Interpreter:
     with this level's outputs wrapped.
     """
 
-    __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "__weakref__")
+    __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "lower", "__weakref__")
 
     def __init__(self):
         self.level = next(_level_counter)
@@ -56,9 +56,18 @@ class Interpreter:
         # id -> base: this level's tensors whose values were lifted into lower AD levels
         # through a view (level_tensor.promote_for_write); None until one is
         self.lifted_bases = None
+        Interpreter.refresh(self)  # (a subclass calls its own `refresh` once its state is set)
 
     def process(self, op, args, kwargs):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Set `self.lower`: a zero-argument callable whose context is "one level down" for
+        this level (the dispatch state its rules compute with the values in). Decided here,
+        from what lies around the level, at creation and whenever that changes (an AD level
+        starts or stops riding on a vmap level), never per op. By default, outside's state
+        restored (`torch._C._RestorePythonTLSSnapshot`)."""
+        self.lower = torch._C._RestorePythonTLSSnapshot
 
     def pushed(self):
         """Called when the interpreter goes on the stack (set-up it needs; none by default)."""

@@ -123,13 +123,13 @@ class FunctionalizeInterpreter(Interpreter):
             torch._sync(functional)
         return _from_functional(functional)
 
-    def lower(self, x):
+    def values_below(self, x):
         """This level's tensors in `x` (a tensor, list or tuple) as the values one level down
         they hold now; anything else as it is."""
         if type(x) is FunctionalizedTensor and x._interp is self:
             return self.current(x._value)
         if type(x) is list or type(x) is tuple:
-            return type(x)(self.lower(e) for e in x)
+            return type(x)(self.values_below(e) for e in x)
         return x
 
     def install(self, functional: torch.Tensor, value: torch.Tensor) -> None:
@@ -261,7 +261,7 @@ class FunctionalizeInterpreter(Interpreter):
                 f"the end), or clone it inside the function."
             )
         with _restore_outside():
-            op(*self.lower(list(args)), **{k: self.lower(v) for k, v in kwargs.items()})
+            op(*self.values_below(list(args)), **{k: self.values_below(v) for k, v in kwargs.items()})
         results = [writes.argument(w, args, kwargs) for w in writes.returns if w is not None]
         return results[0] if len(writes.returns) == 1 else tuple(results)
 

@@ -76,7 +76,7 @@ def copy_(level, op, args, kwargs):
     functional = target._value
     with _restore_outside():  # syncs run ops one level down: autograd must see them
         like = level.current(functional)
-        value = level.lower(src)
+        value = level.values_below(src)
         if not (differentiated(like) or differentiated(value)):
             return NotImplemented
         copied = value.shape != like.shape
@@ -103,7 +103,7 @@ def rrelu_with_noise(level, op, args, kwargs):
     if not call.get("training", False):
         return NotImplemented
     with _restore_outside():
-        if not differentiated(level.lower(call["self"])):
+        if not differentiated(level.values_below(call["self"])):
             return NotImplemented
     draw = [call["self"], call["noise"], call.get("lower", 0.125), call.get("upper", 1.0 / 3.0), True]
     if call.get("generator") is not None:

@@ -91,6 +91,22 @@ def _same_for_every_element(value) -> bool:
         return bool(same.all())
 
 
+class _forward_ad_lower:
+    """`lower` under a direct jvp level (VmapInterpreter.refresh): outside's state, forward
+    AD as the user has it."""
+
+    __slots__ = ("_guards",)
+
+    def __enter__(self):
+        self._guards = (_restore_autograd(), _forward_ad_enabled(user_forward_ad()))
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
+
+
 _EXPANDED_LEAF_OF = "functx_expanded_leaf_of"  # ad/direct_reverse.EXPANDED_LEAF_OF (vmap sits below ad/)
 
 
@@ -119,10 +135,13 @@ def _reaches_only_finished_leaves(node, limit: int = 1000) -> bool:
     return True
 
 
+_UNCHANGED = object()
+
+
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -138,18 +157,52 @@ class VmapInterpreter(Interpreter):
         # AD then record on this level's BatchedTensors, and the rules run below autograd
         # (no AD level lies below), as torch.func's batching rules do.
         self.ad_above = False
+        self.refresh()
+
+    def ride(self, *, direct_ad=_UNCHANGED, ad_above=_UNCHANGED):
+        """An AD level starts (or, given the values from before, stops) riding on this one:
+        set `direct_ad` / `ad_above` and rebuild `lower`. The only way they change."""
+        if direct_ad is not _UNCHANGED:
+            self.direct_ad = direct_ad
+        if ad_above is not _UNCHANGED:
+            self.ad_above = ad_above
+        self.refresh()
+
+    def refresh(self):
+        """`lower`: the dispatch state the rules compute in, one level down, for what rides
+        on this level now. Inside __torch_dispatch__ torch switches off autograd, view
+        tracking and the conj/neg keys; by default a rule runs with the state of outside
+        restored, so the values one level down behave as they do outside any transform: they
+        record autograd graphs (a grad level below, a physical grad level), views of them are
+        tracked, and CompositeImplicitAutograd ops decompose before reaching the level below.
+        (Always restoring measured faster than checking the values first: transformer
+        per-sample grads 6% faster.)"""
+        self.handler_of = VMAP_RULES.handler
+        if self.ad_above:
+            # torch's autograd and forward AD record on this level's wrappers, above: the
+            # rules run below autograd, but for those that run torch's autograd themselves
+            self.lower = _restore_autograd
+            self.handler_of = _handler_below_autograd
+        elif self.over_dual_values:
+            # opened inside a jvp level on values: its tangents flow through the physical
+            # values, never through this level's wrappers (core/dual_values.py)
+            self.lower = one_level_down_over_dual_values
+        elif self.direct_ad is not None and self.direct_ad.forward_mode:
+            # torch calls an autograd.Function's jvp with forward AD off; the physical
+            # tangents here are a direct jvp level's (an outer level's), which must flow on;
+            # the user's `_set_fwd_grad_enabled(False)` holds (core/dual_values.py)
+            self.lower = _forward_ad_lower
+        else:
+            self.lower = _restore_autograd
 
     def process(self, op, args, kwargs):
         """One level down: the op's batching rule on the physical values (batch dim first),
-        with the dispatch state of outside restored."""
-        if op is _DETACH and not is_user_detach():
-            # torch's autograd detaching a saved output it recorded on this wrapper (user
-            # code called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told
-            # apart from a user's detach here, before the outside dispatch state is restored.
-            return BatchedTensor(args[0]._value, self)
-        metadata = METADATA_RULES.get(op)
-        if metadata is not None:  # torch's autograd asking about layouts: no restore, no checks
-            return metadata(self, *args)
+        in `lower`'s dispatch state."""
+        special = SPECIAL_RULES.get(op)
+        if special is not None:  # answered in __torch_dispatch__'s own state
+            out = special(self, args, kwargs)
+            if out is not NotImplemented:
+                return out
         if self.lifted_bases is not None:
             refresh_views(self, (*args, *kwargs.values()))
         mutated = mutated_argument(op)
@@ -162,30 +215,8 @@ class VmapInterpreter(Interpreter):
                     with _restore_autograd():  # nothing batched is written: not this level's op
                         return op(*unlifted, **kwargs)
                 args = unlifted
-        handler = VMAP_RULES.handler(op)
-        if self.ad_above and op not in RULES_USING_AUTOGRAD:
-            with _restore_autograd(), _below_autograd():
-                return handler(self, *args, **kwargs)
-        direct = self.direct_ad
-        if self.over_dual_values:
-            # opened inside a jvp level on values: its tangents flow through the physical
-            # values, never through this level's wrappers (core/dual_values.py)
-            with one_level_down_over_dual_values():
-                return handler(self, *args, **kwargs)
-        if direct is not None and direct.forward_mode:
-            # torch calls an autograd.Function's jvp with forward AD off; the physical
-            # tangents here are a direct jvp level's (an outer level's), which must flow on;
-            # the user's `_set_fwd_grad_enabled(False)` holds (core/dual_values.py)
-            with _restore_autograd(), _forward_ad_enabled(user_forward_ad()):
-                return handler(self, *args, **kwargs)
-        # Inside __torch_dispatch__ torch switches off autograd, view tracking and the
-        # conj/neg keys; the rule runs with the state of outside restored, so the values one
-        # level down behave as they do outside any transform: they record autograd graphs
-        # (a grad level below, a physical grad level), views of them are tracked, and
-        # CompositeImplicitAutograd ops decompose before reaching the level below.
-        # Always restoring measured faster than checking the values first (the check
-        # cost more than the restore: transformer per-sample grads 6% faster).
-        with _restore_autograd():
+        handler = self.handler_of(op)
+        with self.lower():
             return handler(self, *args, **kwargs)
 
     def unwrap_dead(self, x):
@@ -267,12 +298,43 @@ def _fallback_factory(op):
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""
 
+def _handler_below_autograd(op):
+    """`VmapInterpreter.handler_of` under AD on values above: the op's rule below autograd,
+    unless it runs torch's autograd itself (`RULES_USING_AUTOGRAD`)."""
+    rule = VMAP_RULES.handler(op)
+    if op in RULES_USING_AUTOGRAD:
+        return rule
+
+    def below_autograd(interp, *args, **kwargs):
+        with _below_autograd():
+            return rule(interp, *args, **kwargs)
+
+    return below_autograd
+
+
 RULES_USING_AUTOGRAD: set = set()
 """Ops whose rule runs torch's autograd itself on this level's tensors (a backward that
 recomputes its forward: rules/nn_rnn.py): they keep autograd on under `ad_above`."""
 
-METADATA_RULES: dict = {}
-"""op -> rule(interp, *args) for the ops torch's autograd calls to compare layouts before it
+
+def _autograd_detach(interp, args, kwargs):
+    """torch's autograd detaching a saved output it recorded on this wrapper (user code
+    called `requires_grad_()` inside vmap): cut only the wrapper's graph. Told apart from a
+    user's detach (which goes on to its rule) before the outside dispatch state is restored."""
+    if is_user_detach():
+        return NotImplemented
+    return BatchedTensor(args[0]._value, interp)
+
+
+def metadata_question(rule):
+    """A special rule from `rule(interp, *args)` that reads metadata only (no state, no checks)."""
+    return lambda interp, args, kwargs: rule(interp, *args)
+
+
+SPECIAL_RULES: dict = {_DETACH: _autograd_detach}
+"""op -> rule(interp, args, kwargs) that `process` answers first, in __torch_dispatch__'s own
+state, before `lower` and the rule table (NotImplemented: go on to the op's rule): autograd's
+detach of a saved output, and the ops torch's autograd calls to compare layouts before it
 attaches a tangent (`is_same_size`, `_has_same_storage_numel`: two per op result whose tangent
-is batched, under forward-over-reverse Hessian-vector products inside vmap). They read
-metadata only: `process` answers them before the rule machinery (vmap/rules/autograd_meta.py)."""
+is batched, under forward-over-reverse Hessian-vector products inside vmap;
+vmap/rules/autograd_meta.py)."""

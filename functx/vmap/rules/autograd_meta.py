@@ -11,7 +11,7 @@ split in `batch_size` equal parts).
 import torch
 
 from ...core.level_tensor import LevelTensor
-from ..batched_tensor import METADATA_RULES, VMAP_RULES, BatchedTensor
+from ..batched_tensor import SPECIAL_RULES, VMAP_RULES, BatchedTensor, metadata_question
 
 aten = torch.ops.aten
 
@@ -90,7 +90,7 @@ def _is_same_size(interp, a, b):
     return a.shape == b.shape
 
 
-METADATA_RULES[aten.is_same_size.default] = _is_same_size
+SPECIAL_RULES[aten.is_same_size.default] = metadata_question(_is_same_size)
 
 
 def _element_storage_numel(interp, x):
@@ -128,4 +128,4 @@ def _has_same_storage_numel(interp, a, b):
     return numel_a is not None and numel_a == _element_storage_numel(interp, b)
 
 
-METADATA_RULES[aten._has_same_storage_numel.default] = _has_same_storage_numel
+SPECIAL_RULES[aten._has_same_storage_numel.default] = metadata_question(_has_same_storage_numel)
