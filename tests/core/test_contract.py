@@ -40,7 +40,8 @@ class Tracer(Interpreter):
 
     def process(self, op, args, kwargs):
         self.ops.append(op.__name__)
-        out = op(*self.unwrap(args), **{k: self.unwrap(v) for k, v in kwargs.items()})
+        with self.lower():  # one level down: the dispatch state of outside (Interpreter.refresh)
+            out = op(*self.unwrap(args), **{k: self.unwrap(v) for k, v in kwargs.items()})
         if isinstance(out, torch.Tensor):
             return self.wrap(out)
         if isinstance(out, (list, tuple)):
@@ -72,6 +73,33 @@ def test_it_composes_with_a_transform_both_ways():
     outside, ops = traced(lambda t: functx.vmap(functx.grad(f))(t), xs)
     torch.testing.assert_close(outside, expected)
     assert "mul.Tensor" in ops  # the batched computation ran through the tracer below
+    assert current_stack() == ()
+
+
+def test_lower_is_one_level_down_where_autograd_records():
+    # the default `lower` restores the state of outside: torch's autograd records the
+    # op on the values below the tracer's wrappers, so a gradient flows through the level
+    x = torch.randn(3, requires_grad=True)
+    out, _ = traced(lambda t: (t.sin() * t).sum(), x)
+    (g,) = torch.autograd.grad(out, x)
+    torch.testing.assert_close(g, x.cos() * x + x.sin())
+
+
+def test_vmap_refreshes_lower_when_an_ad_level_rides_on_it():
+    from functx.vmap.batched_tensor import VmapInterpreter
+
+    seen = []
+
+    def record(t):
+        seen.append([(type(i).__name__, i.lower) for i in current_stack() if type(i) is VmapInterpreter])
+        return t.sin().sum()
+
+    plain_lower = torch._C._RestorePythonTLSSnapshot
+    functx.vmap(record)(torch.randn(2, 3))
+    assert seen[-1] == [("VmapInterpreter", plain_lower)]
+    # a direct jvp level rides on the vmap level below it: forward AD kept on for the rules
+    functx.vmap(lambda x: functx.jvp(record, (x,), (torch.ones_like(x),)))(torch.randn(2, 3))
+    assert seen[-1][0][1] is not plain_lower
     assert current_stack() == ()
 
 
