@@ -19,7 +19,7 @@ import warnings
 
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
-from torch.overrides import TorchFunctionMode
+from ..core.torch_function import CallHandler
 
 from ..core import pytree
 from ..core.custom_function import in_function_body
@@ -161,7 +161,7 @@ def _warn_no_forward_formula(error, stacklevel):
     )
 
 
-class _ModeRegions(TorchFunctionMode):
+class _ModeRegions(CallHandler):
     """While the whole-function double-VJP fallback runs the user's function: whether a
     torch call took a value the fallback differentiates while grad mode (`torch.no_grad()`)
     or forward AD (`_set_fwd_grad_enabled(False)`) was off. Forward mode's rules for such a
@@ -170,14 +170,12 @@ class _ModeRegions(TorchFunctionMode):
     jvp(jvp) of a Huber loss of `x * no_grad(x**2)` did."""
 
     def __init__(self):
-        super().__init__()
         self.crossed = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def torch_function(self, func, types, args, kwargs):
         if not self.crossed and not (torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and not in_function_body():
             self.crossed = any(_tracked(t) for t in pytree.tree_leaves((args, kwargs)))
-        return func(*args, **kwargs)
+        return NotImplemented
 
 
 def _tracked(x) -> bool:

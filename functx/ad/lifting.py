@@ -10,14 +10,14 @@ with the other (second derivatives come out 0; torch raises an internal assert f
 constants (`level.lift`), as functorch's dynamic layers do for factory ops: the buffer is
 then a wrapper of this level over a plain tensor, one object per level.
 
-A TorchFunctionMode sees the factories (they have no tensor argument for dispatch to
-find); it costs ~1 µs per torch call of the function, paid only at wrapped levels (never
-by per-sample gradients, MAML's inner steps or the outermost `grad`, which are direct).
+A handler of users' torch calls (core/torch_function.py) sees the factories (they have no
+tensor argument for dispatch to find); paid only at wrapped levels (never by per-sample
+gradients, MAML's inner steps or the outermost `grad`, which are direct).
 Inside `__torch_dispatch__` and functx's own code (`functx_code`) torch functions are off,
 so rules and bookkeeping never see it. A write into a tensor from outside the function
 (a captured tensor) cannot be lifted: it raises `raise_captured_write`'s error, as
 torch.func does. Direct levels own no tensors and see no ops: there `CapturedWrites`, a
-lighter mode (a dict lookup and an attribute per call on top of the mode's own ~1 µs),
+lighter handler (a dict lookup and an attribute per call),
 refuses those writes while the function runs.
 
     >>> import torch, functx
@@ -32,7 +32,6 @@ refuses those writes while the function runs.
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..core.custom_function import in_function_body
 from ..core.forward_ad_state import in_level_rule
@@ -40,42 +39,48 @@ from ..core.errors import op_name
 from ..core.factories import FACTORIES
 from ..core.interpreter import functx_code
 from ..core.level_tensor import LevelTensor, call_at_values, level_of
+from ..core.torch_function import CallHandler, call_outer, seen_by_outer
 
 
-class FactoryLifting(TorchFunctionMode):
+class FactoryLifting(CallHandler):
     """While a wrapped AD level's function runs: floating-point tensors that factories make
-    (or `clone` makes of values from outside) become constants of the level. Since the mode
-    sees every torch call of the function anyway, a level may also take whole composite ops
-    here, before they decompose (`level.torch_function_rules`)."""
+    (or `clone` makes of values from outside) become constants of the level. Since the
+    handler sees every torch call of the function anyway, a level may also take whole
+    composite ops here, before they decompose (`level.torch_function_rules`)."""
 
     def __init__(self, level):
-        super().__init__()
         self.level = level
         self.below = 0  # inside `applying_below`: what is made there is not this level's
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        rule = self.level.torch_function_rules.get(func)
+    def torch_function(self, func, types, args, kwargs):
+        level = self.level
+        rule = level.torch_function_rules.get(func)
         if rule is not None:  # a whole composite op at once (wrapped_forward.py: matmul)
-            out = rule(self.level, args, kwargs or {})
+            with seen_by_outer():
+                out = rule(level, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if func in _TO_NUMPY and _constant_of(self.level, args[0]):
+        if func in _TO_NUMPY and _constant_of(level, args[0]):
             # a constant of the level (a non-differentiated argument, ADLevel.own, or a
             # factory's result) leaves torch as its value does, as it did before it was wrapped
-            return func(args[0]._value, *args[1:], **(kwargs or {}))
-        if self.level.over_dual_values and not in_level_rule():  # core/dual_values.py
-            out = call_at_values(func, args, kwargs or {})
+            return call_outer(func, types, (args[0]._value, *args[1:]), kwargs)
+        factory = func in FACTORIES
+        if level.over_dual_values and not in_level_rule():  # core/dual_values.py
+            out = call_at_values(lambda *a, **k: call_outer(func, types, a, k), args, kwargs)
+        elif factory:
+            out = call_outer(func, types, args, kwargs)
         else:
-            out = func(*args, **(kwargs or {}))
+            return NotImplemented
         if (
-            func in FACTORIES
+            factory
             and isinstance(out, torch.Tensor)
             and (out.is_floating_point() or out.is_complex())
-            and level_of(out) < self.level.level  # plain or from below (a level above made it its own)
-            and self.level.alive
+            and level_of(out) < level.level  # plain or from below (a level above made it its own)
+            and level.alive
             and not self.below
         ):
-            return self.level.lift(out)
+            with seen_by_outer():
+                return level.lift(out)
         return out
 
 
@@ -94,16 +99,16 @@ class applying_below:
     constant and lost the graph or tangent the levels below gave it: a NumPy-forward
     Function under `hessian` or `grad(jvp)` came out wrong."""
 
-    __slots__ = ("_mode",)
+    __slots__ = ("_handler",)
 
     def __init__(self, level):
-        self._mode = level._lifting
+        self._handler = level._lifting
 
     def __enter__(self):
-        self._mode.below += 1
+        self._handler.below += 1
 
     def __exit__(self, *exc):
-        self._mode.below -= 1
+        self._handler.below -= 1
 
 
 def raise_captured_write(op, transform: str):
@@ -194,7 +199,7 @@ def mark_made_at(x: torch.Tensor, number: int) -> None:
         setattr(x, _MADE_AT, number)
 
 
-class CapturedWrites(TorchFunctionMode):
+class CapturedWrites(CallHandler):
     """While the function of a *direct* AD level runs (direct_reverse.py, direct_forward.py):
     refuse an in-place write of a value the level differentiates into a tensor from outside
     the function, as wrapped levels (`raise_captured_write`) and torch.func do.
@@ -203,7 +208,7 @@ class CapturedWrites(TorchFunctionMode):
     themselves, so such a write left the caller's tensor with the level's history
     (`captured.copy_(x)` under the outermost `grad`: `grad_fn=<CopyBackwards>` on the
     user's tensor after the transform returned; through a view, `CopySlices`), which no
-    dispatch-level check sees. This mode sees the user's torch calls: each tensor a call
+    dispatch-level check sees. This handler sees the user's torch calls: each tensor a call
     returns is marked as made while the level ran (`_mark_made`), and a write whose target's
     base (a view's `_base`) is unmarked and does not depend on the level itself, of a value
     that depends on it (`level.differentiates`), is refused before anything is written.
@@ -211,30 +216,32 @@ class CapturedWrites(TorchFunctionMode):
     detached value, BatchNorm's running statistics) stay allowed, as do writes into what
     the function made. Only the user's own calls are seen (torch functions are off inside
     functx's code and inside each handled call), and the check costs a name test per call;
-    the mode leaves when the function has returned (`DirectGradLevel.seal`), so a backward
+    the handler leaves when the function has returned (`DirectGradLevel.seal`), so a backward
     is not checked."""
 
     def __init__(self, level, transform: str):
-        super().__init__()
         self.level = level
         self.transform = transform
         self.number = level.level
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def torch_function(self, func, types, args, kwargs):
         # Paid by every torch call of the function: kept to a dict lookup and an attribute.
-        if kwargs:
+        try:
+            writes_first = _WRITES_IN_PLACE[func]
+        except (KeyError, TypeError):  # (first call of `func`; or it is not hashable)
             writes_first = _writes_in_place(func)
+        if kwargs:
             in_place = writes_first or "out" in kwargs
             if in_place:
                 with functx_code():
                     self._check(func, args, kwargs, writes_first)
-            out = func(*args, **kwargs)
         else:
-            in_place = _writes_in_place(func)
+            in_place = writes_first
             if in_place:
                 with functx_code():
                     self._check(func, args, {}, True)
-            out = func(*args)
+        # (the common case, no handler outside this one, without a call of `call_outer`)
+        out = call_outer(func, types, args, kwargs) if self.mode.depth else func(*args, **kwargs)
         # A call may return a tensor it was given (an in-place op its target, `contiguous()`
         # or `.to()` their input as it is): that tensor was not made here.
         if in_place:
@@ -279,7 +286,7 @@ class CapturedWrites(TorchFunctionMode):
         function ran (at this level or one opened inside it), or depends on the level (a
         result of a transform called inside, made in functx's code, unmarked). The wrappers
         of levels opened inside are looked through: a wrapped level lifts the plain tensor a
-        factory made (which this mode marked) into a new wrapper."""
+        factory made (which this handler marked) into a new wrapper."""
         x = target
         while True:
             base = x._base if x._base is not None else x

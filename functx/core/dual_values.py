@@ -27,26 +27,25 @@ The levels' own modes do it for the user's calls (vmap/randomness.py, ad/lifting
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .forward_ad_state import down_state, values_own_state
 from .level_tensor import call_at_values
+from .torch_function import CallHandler, call_outer
 
 _set_fwd_grad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 
 
-class ForwardADAtValues(TorchFunctionMode):
+class ForwardADAtValues(CallHandler):
     """While a level opened inside a jvp level on values computes with its values (one
     level down): forward AD in state `plain` for the plain values, off at the wrappers of
     the levels below."""
 
     def __init__(self, plain: bool):
-        super().__init__()
         self.plain = plain
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return call_at_values(func, args, kwargs or {}, self.plain)
+    def torch_function(self, func, types, args, kwargs):
+        return call_at_values(lambda *a, **k: call_outer(func, types, a, k), args, kwargs, self.plain)
 
 
 class one_level_down_over_dual_values:

@@ -22,9 +22,9 @@ _level_counter = itertools.count(1)
 
 functx_code = torch._C.DisableTorchFunction
 """Context for functx's own tensor code between calls into user code (moving batch dims,
-making leaves, checking and exporting results). vmap's TorchFunctionMode
-(vmap/randomness.py) is there for user code; each torch call or tensor attribute it sees
-costs ~1 µs, so functx's bookkeeping runs with torch functions off."""
+making leaves, checking and exporting results). The levels' handlers of
+torch calls (core/torch_function.py) are there for user code; each torch call or tensor
+attribute they see costs a Python call, so functx's bookkeeping runs with torch functions off."""
 
 
 class _ThreadStack(threading.local):

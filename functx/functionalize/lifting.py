@@ -3,7 +3,7 @@
 A buffer the function makes (`buf = torch.zeros(3)`, `idx = torch.arange(4)`,
 `y = captured.clone()`) and then writes into (`buf[0] = x`) must be a tensor of the level,
 or the write could not be functionalized. Factories take no tensor argument for the
-dispatcher to find, so a TorchFunctionMode, active while the function runs, lifts their
+dispatcher to find, so a handler of torch calls (core/torch_function.py), live while the function runs, lifts their
 results into the level (torch.func's C++ functionalize does the same with a thread-local
 dispatch key). Views and results of other ops on captured tensors are left alone: they
 alias state from outside, and functionalize passes writes to them through (or refuses
@@ -21,25 +21,26 @@ writes of values from inside), as torch.func does.
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..core.factories import FACTORIES
 from ..core.level_tensor import level_of
+from ..core.torch_function import CallHandler, call_outer, seen_by_outer
 
 
-class FactoryLifting(TorchFunctionMode):
+class FactoryLifting(CallHandler):
     """While a functionalize level's function runs: what factories make is the level's (and
     `tensor_split` gets tensor split points as a list, see `_split_points_as_list`)."""
 
     def __init__(self, level):
-        super().__init__()
         self.level = level
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def torch_function(self, func, types, args, kwargs):
         if func in _TENSOR_SPLITS:
-            args, kwargs = _split_points_as_list(self.level, args, kwargs)
-        out = func(*args, **kwargs)
+            with seen_by_outer():
+                args, kwargs = _split_points_as_list(self.level, args, kwargs)
+        elif func not in FACTORIES:
+            return NotImplemented
+        out = call_outer(func, types, args, kwargs)
         if (
             func in FACTORIES
             and isinstance(out, torch.Tensor)
@@ -47,7 +48,8 @@ class FactoryLifting(TorchFunctionMode):
             and level_of(out) < self.level.level  # plain or from below (a level above made it its own)
             and self.level.alive
         ):
-            return self.level.wrap(out)
+            with seen_by_outer():
+                return self.level.wrap(out)
         return out
 
 

@@ -3,8 +3,8 @@
 Inside vmap, user code holds BatchedTensor wrappers; when autograd tracks their physical
 values instead of the wrappers themselves (an input that requires grad from outside
 `vmap`, or the leaves of a direct grad level: `vmap(grad(f))`, ad/direct_reverse.py),
-torch's autograd would see wrappers that do not require grad. vmap's TorchFunctionMode
-(randomness.py) sends such calls here, and they run on the physical values: the batch
+torch's autograd would see wrappers that do not require grad. vmap's handler of torch
+calls (randomness.py, core/torch_function.py) sends such calls here, and they run on the physical values: the batch
 elements are independent, so the gradient of the summed outputs with respect to a physical
 input is every element's own gradient. That needs each input batched at every vmap level
 its outputs are batched at (otherwise the physical gradient would add up the elements of

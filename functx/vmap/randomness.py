@@ -3,16 +3,16 @@
 Random ops that touch a BatchedTensor reach the batching rules in `rules/random.py`.
 Random ops on values that are not batched at this level — factories such as
 `torch.randn(3)` that take no tensor at all, or `torch.rand_like(w)` of a captured `w` —
-never reach the dispatcher through a BatchedTensor, so a TorchFunctionMode, pushed for
-the duration of each vmap call, intercepts them. It costs one dictionary lookup for
-every other torch call. The same mode also routes two non-random calls: indexing with
+never reach the dispatcher through a BatchedTensor, so a handler of torch calls (core/torch_function.py), live for
+the duration of each vmap call, intercepts them. It costs two dictionary lookups for
+every other torch call. The same handler also routes two non-random calls: indexing with
 batched 0-dim integer tensors, and `torch.autograd.grad` / `.backward()` (autograd_calls.py).
 
 Torch functions written in Python (`torch.svd_lowrank`, `F.gumbel_softmax`,
-`torch.nn.init.normal_`) reach the mode as one call; their bodies run with the mode on, so
-the draws inside follow the policy too. Code that runs below a vmap level while its mode is
-on the stack (an autograd.Function's `vmap` staticmethod and the forward it applies one
-level down) runs with that level's mode, and the modes above it, lowered (`lowered`).
+`torch.nn.init.normal_`) reach the handler as one call; their bodies run with the handler on, so
+the draws inside follow the policy too. Code that runs below a vmap level while its handler is
+live (an autograd.Function's `vmap` staticmethod and the forward it applies one
+level down) runs with that level's handler, and those above it, lowered (`lowered`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from types import FunctionType
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import redispatch_function
 
 from ..core.factories import FACTORIES
 from ..core.forward_ad_state import in_level_rule
 from ..core.interpreter import current_stack
+from ..core.torch_function import CallHandler, call_outer, seen_by_outer, seen_here_and_outer
 from ..core.level_tensor import LevelTensor, call_at_values, level_of
 from .autograd_calls import route_autograd_grad, route_backward
 from .chain import peel
@@ -90,7 +91,7 @@ def _dropout_is_active(func, args, kwargs):
 
 
 class _Lowered(threading.local):
-    # the vmap levels whose modes let calls through untouched (`lowered`), each mapped to
+    # the vmap levels whose handlers let calls through untouched (`lowered`), each mapped to
     # None, or to the old-style Function it runs once per batch element
     interps: dict = {}
 
@@ -101,9 +102,9 @@ _lowered = _Lowered()
 class lowered:
     """While code of the levels below runs on the physical values of vmap level `level` (an
     autograd.Function's `vmap` staticmethod, and the Function it applies one level down,
-    whose `forward` torch runs on plain tensors), the modes of `level` and of the vmap
+    whose `forward` torch runs on plain tensors), the handlers of `level` and of the vmap
     levels above it let every call through untouched, as torch.func's `interpreter.lower()`
-    does: that code is not the vmapped function's (an inner vmap's mode would batch a draw
+    does: that code is not the vmapped function's (an inner vmap's handler would batch a draw
     of code that runs below it). Otherwise a tensor such a `forward` made
     (`torch.as_tensor(ndarray)`, `torch.tensor(list)`) was lifted into a batched copy when
     a direct grad level had batched an input (`_lift_buffer`), and the forward handed a
@@ -145,61 +146,71 @@ def _check_per_sample_draw(interp, function, func, args, kwargs):
     )
 
 
-class RandomnessMode(TorchFunctionMode):
+class RandomnessMode(CallHandler):
     """Applies one vmap level's randomness policy to random calls on unbatched values."""
 
     def __init__(self, interp):
-        super().__init__()
         self.interp = interp
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        below = _lowered.interps
-        if below and self.interp in below:  # code running below this level (`lowered`)
-            if below[self.interp] is not None and func in _RANDOM_FUNCS:
-                _check_per_sample_draw(self.interp, below[self.interp], func, args, kwargs)
-            return func(*args, **kwargs)
+    def torch_function(self, func, types, args, kwargs):
+        # Paid by every torch call of the vmapped function: the common case (not random, not
+        # written in Python, nothing to lift) answers after two lookups.
         kind = _RANDOM_FUNCS.get(func)
+        interp = self.interp
         if kind is None:
-            if _written_in_python(func) and not in_level_rule():
-                # Its body ran with this mode off (we are inside the mode's handler): the
+            python_body = _written_in_python(func)
+            direct = interp.direct_ad
+            lifts = direct is not None and func in FACTORIES and direct.lifts_buffers
+            if not (python_body or lifts or interp.over_dual_values):
+                return NotImplemented
+        below = _lowered.interps
+        if below and interp in below:  # code running below this level (`lowered`)
+            if below[interp] is not None and kind is not None:
+                _check_per_sample_draw(interp, below[interp], func, args, kwargs)
+            return NotImplemented
+        if kind is None:
+            if python_body and not in_level_rule():
+                # Its body would run with this level's handler off (we are inside it): the
                 # `torch.randn` inside svd_lowrank was neither refused ("error") nor drawn
                 # per element ("different"), and its buffers were not lifted. Run the body
-                # with the mode on, skipping the one hop of torch function that brought the
-                # call here, so each of its torch calls is handled as the user's own.
-                with self:
+                # with the handler on, skipping the one hop of torch function that brought
+                # the call here, so each of its torch calls is handled as the user's own.
+                with seen_here_and_outer():
                     return redispatch_function(func, types, args, kwargs)
-            if self.interp.over_dual_values and not in_level_rule():  # core/dual_values.py
-                out = call_at_values(func, args, kwargs)
+            if interp.over_dual_values and not in_level_rule():  # core/dual_values.py
+                out = call_at_values(lambda *a, **k: call_outer(func, types, a, k), args, kwargs)
+            elif lifts:
+                out = call_outer(func, types, args, kwargs)
             else:
-                out = func(*args, **kwargs)
-            direct = self.interp.direct_ad
-            if direct is not None and func in FACTORIES and direct.lifts_buffers:
-                return _lift_buffer(self.interp, direct, out)
+                return NotImplemented
+            if lifts:
+                with seen_by_outer():
+                    return _lift_buffer(interp, direct, out)
             return out
         if kind == "index":
             return _index_with_tensor_scalars(func, args, kwargs)
-        if kind == "autograd":
-            return route_autograd_grad(self.interp, func, args, kwargs)
-        if kind == "backward":
-            return route_backward(self.interp, func, args, kwargs)
-        return _handle_random(self.interp, func, kind, args, kwargs)
+        with seen_by_outer():  # (their draws and what they make: an outer level's too)
+            if kind == "autograd":
+                return route_autograd_grad(interp, func, args, kwargs)
+            if kind == "backward":
+                return route_backward(interp, func, args, kwargs)
+            return _handle_random(interp, func, kind, args, kwargs)
 
 
 def _written_in_python(func) -> bool:
     """Whether `func` is a torch function written in Python (torch.svd_lowrank,
     torch.pca_lowrank, F.gumbel_softmax, torch.nn.init.*, any library function with a
-    `has_torch_function` guard), which reaches the modes as one call when it meets a wrapper.
+    `has_torch_function` guard), which reaches the handlers as one call when it meets a wrapper.
     Not the Tensor methods written in Python (`unflatten`, `split`, `__rsub__`; none draws):
-    the `super().unflatten(...)` in their body reaches the modes as the Python method again,
-    and running that body with the mode on would recurse."""
+    the `super().unflatten(...)` in their body reaches the handlers as the Python method again,
+    and running that body with the handler on would recurse."""
     return type(func) is FunctionType and getattr(torch.Tensor, func.__name__, None) is not func
 
 
 def _lift_buffer(interp, direct, out):
     """A buffer the function made under a direct grad level that batched some input of its
     own (ad/direct_reverse.py `lift_buffer`): batched at that level's vmap levels, by the
-    innermost one only (the modes of the others see the result already lifted)."""
+    innermost one only (the handlers of the others see the result already lifted)."""
     if (
         interp is direct.vmap_levels[-1]
         and type(out) is torch.Tensor
@@ -227,16 +238,16 @@ def _batched_here(interp, args, kwargs):
 
 def _handle_random(interp, func, kind, args, kwargs):
     if kind == "dropout" and not _dropout_is_active(func, args, kwargs):
-        return func(*args, **kwargs)
+        return NotImplemented
     if kind == "factory" and not _is_factory_call(func, args, kwargs):
         kind = "tensor"  # torch.normal(mean_tensor, std): a random function of tensors
     if kind != "factory" and _batched_here(interp, args, kwargs):
-        return func(*args, **kwargs)  # the batching rules see it
+        return NotImplemented  # the batching rules see it
     randomness = interp.randomness
     if randomness == "error":
         raise random_op_error()
     if randomness == "same":
-        return func(*args, **kwargs)
+        return NotImplemented
     # randomness == "different": draw one sample per batch element
     if kind == "inplace":
         raise inplace_different_error()
@@ -289,10 +300,11 @@ def _index_with_tensor_scalars(func, args, kwargs):
     index = args[1]
     parts = index if type(index) is tuple else (index,)
     if not parts or not all(_is_batched_integer_scalar(p) for p in parts):
-        return func(*args, **kwargs)
+        return NotImplemented
     if func is torch.Tensor.__getitem__:
         return torch.ops.aten.index.Tensor(args[0], list(parts))
-    torch.ops.aten.index_put_.default(args[0], list(parts), torch.as_tensor(args[2], dtype=args[0].dtype))
+    with seen_by_outer():  # (the value made here is a factory's, for the outer levels too)
+        torch.ops.aten.index_put_.default(args[0], list(parts), torch.as_tensor(args[2], dtype=args[0].dtype))
     return None
 
 
