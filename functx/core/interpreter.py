@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -44,6 +45,11 @@ class Interpreter:
     """
 
     __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "lower", "__weakref__")
+    level: int
+    alive: bool
+    over_dual_values: bool
+    lifted_bases: dict | None
+    lower: Callable[[], ContextManager]
 
     def __init__(self):
         self.level = next(_level_counter)
@@ -58,7 +64,7 @@ class Interpreter:
         self.lifted_bases = None
         Interpreter.refresh(self)  # (a subclass calls its own `refresh` once its state is set)
 
-    def process(self, op, args, kwargs):  # pragma: no cover - abstract
+    def process(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def refresh(self) -> None:
@@ -69,10 +75,10 @@ class Interpreter:
         restored (`torch._C._RestorePythonTLSSnapshot`)."""
         self.lower = torch._C._RestorePythonTLSSnapshot
 
-    def pushed(self):
+    def pushed(self) -> None:
         """Called when the interpreter goes on the stack (set-up it needs; none by default)."""
 
-    def popped(self):
+    def popped(self) -> None:
         """Called when it leaves the stack, also after an exception (undo `pushed`)."""
 
     # -- after the transform returned (see level_tensor._dispatch_with_dead_levels) --
@@ -80,15 +86,15 @@ class Interpreter:
     # a level whose values must be read in __torch_dispatch__'s own state says no
     dead_values_with_autograd = True
 
-    def unwrap_dead(self, x):
+    def unwrap_dead(self, x: torch.Tensor) -> torch.Tensor:
         """What a wrapper of this (finished) level stands for one level down."""
         return x._value
 
-    def rebox_dead(self, value):
+    def rebox_dead(self, value: torch.Tensor) -> torch.Tensor:
         """A fresh output object for an op on dead wrappers (grad levels need one)."""
         return value
 
-    def detach_dead(self, x):
+    def detach_dead(self, x: torch.Tensor) -> torch.Tensor:
         """`aten.detach` of a dead wrapper."""
         return self.unwrap_dead(x).detach()
 
@@ -120,7 +126,7 @@ def _first_transform():
 
 
 @contextlib.contextmanager
-def interpreting(interpreter: Interpreter):
+def interpreting(interpreter: Interpreter) -> Iterator[Interpreter]:
     """Push `interpreter` for the duration of the block; on any exit, pop it and mark it dead.
 
     The stack is restored to exactly what it was, even when the block raises.

@@ -14,7 +14,7 @@ dispatcher meets an op, the table resolves a handler once and caches it:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch._decomp
@@ -23,6 +23,10 @@ from .errors import op_name
 from .level_tensor import replay_inplace_view
 
 _decompositions = torch._decomp.decomposition_table
+
+Op = torch._ops.OpOverload
+Rule = Callable[..., Any]
+"""`rule(interp, *args, **kwargs)`: one op at one level (args as the op takes them)."""
 
 
 def decomposition_for(op):
@@ -34,7 +38,7 @@ def _has_composite_implicit_kernel(op) -> bool:
     return op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
-def overloads(*ops):
+def overloads(*ops: Any) -> Iterable[Op]:
     """Expand OpOverloadPackets (`aten.add`) into their overloads; pass overloads through."""
     for op in ops:
         if isinstance(op, torch._ops.OpOverloadPacket):
@@ -47,21 +51,26 @@ def overloads(*ops):
 class RuleTable:
     """Rules of one transform. `handler(op)` is the dispatch-time lookup (cached)."""
 
-    def __init__(self, transform: str, fallback: Callable | None = None, guard: Callable | None = None):
+    def __init__(
+        self,
+        transform: str,
+        fallback: Callable[[Op], Rule] | None = None,
+        guard: Callable[[Op, Rule], Rule] | None = None,
+    ):
         self.transform = transform
-        self.rules: dict = {}
+        self.rules: dict[Op, Rule] = {}
         self.fallback = fallback
         # `guard(op, handler)` wraps every handler but the fallback (vmap: per-sample checks)
         self.guard = guard
-        self.templates: list = []
-        self._handlers: dict = {}
+        self.templates: list[tuple[Callable[[Op], bool], Callable[[Op], Rule]]] = []
+        self._handlers: dict[Op, Rule] = {}
 
-    def add_template(self, predicate, factory):
+    def add_template(self, predicate: Callable[[Op], bool], factory: Callable[[Op], Rule]) -> None:
         """Ops without a registered rule for which `predicate(op)` holds get `factory(op)`."""
         self.templates.append((predicate, factory))
         self._handlers.clear()
 
-    def register(self, *ops):
+    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
         """Decorator registering one rule for several ops (packets expand to all overloads)."""
 
         def decorate(rule):
@@ -72,18 +81,18 @@ class RuleTable:
 
         return decorate
 
-    def set(self, op, rule):
+    def set(self, op: Op, rule: Rule) -> None:
         """Register `rule` for one op (the functional form of `register`)."""
         self.rules[op] = rule
         self._handlers.pop(op, None)
 
-    def handler(self, op):
+    def handler(self, op: Op) -> Rule:
         handler = self._handlers.get(op)
         if handler is None:
             handler = self._handlers[op] = self._resolve(op)
         return handler
 
-    def how(self, op) -> str:
+    def how(self, op: Op) -> str:
         """How `op` is handled: "rule", "template", "decomposition", "fallback" or "missing"."""
         if op in self.rules:
             return "rule"
