@@ -53,7 +53,7 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.dual_values import one_level_down_over_dual_values
 from ..core.forward_ad_state import user_forward_ad
-from ..core.interpreter import current_stack, functx_code
+from ..core.interpreter import EnteredTogether, current_stack, functx_code
 from ..core.level_tensor import (
     LevelTensor,
     mutated_argument,
@@ -219,32 +219,20 @@ def _as_outside():
     return _no_context
 
 
-class _RestoredForwardOff:
+class _RestoredForwardOff(EnteredTogether):
     """The outside dispatch state with torch's forward AD off (`_one_level_down`)."""
 
-    __slots__ = ("_guards",)
+    __slots__ = ()
 
-    def __enter__(self):
-        self._guards = (_restore_autograd(), _set_fwd_grad_enabled(False))
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
+    def guards(self):
+        return _restore_autograd(), _set_fwd_grad_enabled(False)
 
 
-class _InsideOut:
-    __slots__ = ("_guards",)
+class _InsideOut(EnteredTogether):
+    __slots__ = ()
 
-    def __enter__(self):
-        self._guards = (_restore_autograd(), _views_tracked())
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
+    def guards(self):
+        return _restore_autograd(), _views_tracked()
 
 
 def _inplace_view(op) -> bool:

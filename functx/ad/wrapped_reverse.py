@@ -23,6 +23,7 @@ import contextlib
 import torch
 
 from ..core.forward_ad_state import at_wrappers, down_state
+from ..core.interpreter import EnteredTogether
 from ..core.level_tensor import (
     LevelTensor,
     call_at_values,
@@ -75,19 +76,13 @@ class GradTensor(LevelTensor):
     __str__ = __repr__
 
 
-class _restore_without_grad:
+class _restore_without_grad(EnteredTogether):
     """Outside's dispatch state with grad mode off (a level opened under `torch.no_grad()`)."""
 
-    __slots__ = ("_guards",)
+    __slots__ = ()
 
-    def __enter__(self):
-        self._guards = (_restore_autograd(), torch.no_grad())
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
+    def guards(self):
+        return _restore_autograd(), torch.no_grad()
 
 
 def _no_context_factory():

@@ -38,6 +38,8 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+from .patches import way_in
+
 _modes_on_stack = torch._C._len_torch_dispatch_stack
 
 
@@ -57,6 +59,13 @@ class PlainTensorsOnly(TorchDispatchMode):
 
     def __repr__(self):
         return f"PlainTensorsOnly({self.mode!r})"
+
+
+way_in(
+    "a user's TorchDispatchMode around a transform",
+    PlainTensorsOnly,
+    "stood in for while transforms run: the user's mode sees the ops on plain tensors only",
+)
 
 
 class ModeInsideTransformError(RuntimeError):

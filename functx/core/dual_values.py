@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .forward_ad_state import down_state, values_own_state
+from .interpreter import EnteredTogether
 from .level_tensor import call_at_values
 from .torch_function import CallHandler, call_outer
 
@@ -48,22 +49,16 @@ class ForwardADAtValues(CallHandler):
         return call_at_values(lambda *a, **k: call_outer(func, types, a, k), args, kwargs, self.plain)
 
 
-class one_level_down_over_dual_values:
+class one_level_down_over_dual_values(EnteredTogether):
     """The dispatch state a level over a jvp on values computes with its values in: the
     outside's (autograd on), forward AD as `down_state` says (or in the `state` a jvp level
     decides for what it runs one level down, wrapped_forward.py), and `ForwardADAtValues`."""
 
-    __slots__ = ("_state", "_guards")
+    __slots__ = ("_state",)
 
     def __init__(self, state=None):
         self._state = state
 
-    def __enter__(self):
+    def guards(self):
         plain = down_state() if self._state is None else self._state
-        self._guards = (values_own_state(), _restore_autograd(), _set_fwd_grad_enabled(plain), ForwardADAtValues(plain))
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
+        return values_own_state(), _restore_autograd(), _set_fwd_grad_enabled(plain), ForwardADAtValues(plain)

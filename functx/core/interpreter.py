@@ -28,6 +28,25 @@ torch calls (core/torch_function.py) are there for user code; each torch call or
 attribute they see costs a Python call, so functx's bookkeeping runs with torch functions off."""
 
 
+class EnteredTogether:
+    """A context made of several of torch's guards, made when it is entered (`guards()`: their
+    arguments read then) and left in reverse order: the form of most `lower` contexts."""
+
+    __slots__ = ("_guards",)
+
+    def guards(self) -> tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._guards = self.guards()
+        for guard in self._guards:
+            guard.__enter__()
+
+    def __exit__(self, *exc):
+        for guard in reversed(self._guards):
+            guard.__exit__(*exc)
+
+
 class _ThreadStack(threading.local):
     def __init__(self):
         self.interpreters: list[Interpreter] = []

@@ -18,6 +18,7 @@ import torch.utils._mode_utils
 from .errors import op_name
 from .forward_ad_state import at_wrappers, down_state
 from .interpreter import current_stack
+from .patches import way_in
 
 
 _detach = torch.ops.aten.detach.default
@@ -93,6 +94,13 @@ class LevelTensor(torch.Tensor):
         if not top.alive:
             return _dispatch_with_dead_levels(op, args, kwargs or {})
         return top.process(op, args, kwargs or {})
+
+
+way_in(
+    "an ATen op on a level tensor",
+    LevelTensor,
+    "its __torch_dispatch__ finds the highest live level among the arguments and calls its process",
+)
 
 
 def wraps_over_dual_values(values) -> bool:

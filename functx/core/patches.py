@@ -19,6 +19,11 @@ installed here, once:
   it (`reset`); the forward-aware kernels put into an operator's *own* library (a
   `custom_op` made before functx's import) go with that operator and are not undone.
 
+The ways into functx that change nothing in torch are listed here too, one dispatcher each:
+`way_in(what, dispatcher, why)` (the level tensors' `__torch_dispatch__`, the one
+TorchFunctionMode per thread for users' torch calls, the stand-in for users' dispatch
+modes); the test reads the source for any other `__torch_dispatch__` or mode class.
+
 The import hook that installs functx's dynamo support when something imports `torch._dynamo`
 is functx's own finder in `sys.meta_path` (`staging/__init__.py`), not a change to torch.
 
@@ -57,6 +62,27 @@ class Patch:
 
 
 PATCHES: list = []
+
+
+@dataclasses.dataclass(eq=False)
+class WayIn:
+    """One way into functx that is not a change to torch, and its one dispatcher (a class
+    with `__torch_dispatch__`, or a mode functx puts on torch's stacks)."""
+
+    what: str
+    dispatcher: type
+    why: str
+    installed_by: str
+
+
+WAYS_IN: list = []
+
+
+def way_in(what: str, dispatcher: type, why: str) -> None:
+    """Register `dispatcher` as the one door for `what` (called beside its definition)."""
+    if any(entry.what == what or entry.dispatcher is dispatcher for entry in WAYS_IN):
+        raise RuntimeError(f"functx: a second dispatcher for {what!r}: one door per way in")
+    WAYS_IN.append(WayIn(what, dispatcher, why, _caller_module()))
 
 
 def _caller_module() -> str:

@@ -4,8 +4,8 @@ Some of what a level must see never reaches the dispatcher through one of its te
 factories (`torch.randn(3)`, `torch.zeros(3)` take no tensor), random calls on plain
 tensors, `torch.autograd.grad`, writes into captured tensors under a direct level (no
 wrapper at all), Python-level composites a level takes whole. Levels see those as torch
-calls, through handlers: `handling(handler)` makes `handler(func, types, args, kwargs)` live
-for the block, innermost last. The mode, on torch's stack while any handler is live, calls
+calls, through handlers: `with handler:` (a `CallHandler`) makes its `torch_function(func,
+types, args, kwargs)` live for the block, innermost last. The mode, on torch's stack while any handler is live, calls
 the live handlers innermost first; a handler returns NotImplemented to let the call on to
 the next one (and, after the outermost, to torch), or the call's result.
 
@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 from torch.overrides import TorchFunctionMode
 
+from .patches import way_in
+
 Handler = Callable[[Any, tuple, tuple, dict], Any]
 
 
@@ -43,10 +45,15 @@ class _UserCalls(TorchFunctionMode):
         self.on_stack = False  # on torch's stack of modes now (torch takes it off for a call)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        depth = self.depth
         self.on_stack = False
+        try:
+            return self.through_handlers(func, types, args, {} if kwargs is None else kwargs)
+        finally:
+            self.on_stack = True
+
+    def through_handlers(self, func, types, args, kwargs):
+        """The call through the handlers `handlers[:depth]`, innermost first, then torch."""
+        depth = self.depth
         try:
             handlers = self.handlers
             i = depth
@@ -59,7 +66,14 @@ class _UserCalls(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self.depth = depth
-            self.on_stack = True
+
+
+way_in(
+    "a user's torch call (factories, random calls, torch.autograd.grad, writes into captured tensors)",
+    _UserCalls,
+    "what never reaches the dispatcher through a level's tensor; one mode per thread calls the "
+    "live levels' handlers (CallHandler), innermost first",
+)
 
 
 class _PerThread(threading.local):
@@ -73,21 +87,9 @@ _per_thread = _PerThread()
 def call_outer(func, types, args, kwargs):
     """From inside a handler: the call, handled by the handlers outside the running one."""
     mode = _per_thread.mode
-    depth = mode.depth
-    if not depth:
+    if not mode.depth:
         return func(*args, **kwargs)
-    try:
-        handlers = mode.handlers
-        i = depth
-        while i:
-            i -= 1
-            mode.depth = i
-            out = handlers[i](func, types, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
-    finally:
-        mode.depth = depth
+    return mode.through_handlers(func, types, args, kwargs)
 
 
 def _put_on_stack(mode) -> bool:
@@ -122,22 +124,6 @@ def _remove(handler, pushed: bool) -> None:
             if i < mode.depth:
                 mode.depth -= 1
             break
-
-
-class handling:
-    """Make `handler` live for the block, inside the handlers live now."""
-
-    __slots__ = ("_handler", "_pushed")
-
-    def __init__(self, handler: Handler):
-        self._handler = handler
-
-    def __enter__(self):
-        self._pushed = _add(self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        _remove(self._handler, self._pushed)
 
 
 class seen_by_outer:

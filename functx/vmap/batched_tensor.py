@@ -12,7 +12,7 @@ import torch
 from ..core.dual_values import one_level_down_over_dual_values
 from ..core.forward_ad_state import user_forward_ad
 from ..core.errors import DeadLevelError
-from ..core.interpreter import Interpreter
+from ..core.interpreter import EnteredTogether, Interpreter
 from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write, refresh_views
 from ..core.rules import RuleTable
 from .per_sample_check import per_sample_checked
@@ -91,20 +91,14 @@ def _same_for_every_element(value) -> bool:
         return bool(same.all())
 
 
-class _forward_ad_lower:
+class _forward_ad_lower(EnteredTogether):
     """`lower` under a direct jvp level (VmapInterpreter.refresh): outside's state, forward
     AD as the user has it."""
 
-    __slots__ = ("_guards",)
+    __slots__ = ()
 
-    def __enter__(self):
-        self._guards = (_restore_autograd(), _forward_ad_enabled(user_forward_ad()))
-        for guard in self._guards:
-            guard.__enter__()
-
-    def __exit__(self, *exc):
-        for guard in reversed(self._guards):
-            guard.__exit__(*exc)
+    def guards(self):
+        return _restore_autograd(), _forward_ad_enabled(user_forward_ad())
 
 
 _EXPANDED_LEAF_OF = "functx_expanded_leaf_of"  # ad/direct_reverse.EXPANDED_LEAF_OF (vmap sits below ad/)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functx
-from functx.core.patches import PATCHES, install, installed, patch
+from functx.core.patches import PATCHES, WAYS_IN, install, installed, patch, way_in
 
 ROOT = pathlib.Path(functx.__file__).parent
 
@@ -161,3 +161,46 @@ def test_zero_tensor_kernels_answer_as_torchs_own_outside_levels():
     differing, answered, zeros = map(int, _run(_ZERO_GRID))
     assert differing == 0
     assert answered >= 20 and zeros >= 15  # the grid reaches results, not only errors
+
+
+_MODE_BASES = {"TorchFunctionMode", "TorchDispatchMode"}
+
+
+def _dispatcher_classes(tree):
+    """Classes that are a way in: a torch mode, or a class defining `__torch_dispatch__`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {getattr(b, "id", getattr(b, "attr", None)) for b in node.bases}
+            methods = {m.name for m in node.body if isinstance(m, ast.FunctionDef)}
+            if bases & _MODE_BASES or "__torch_dispatch__" in methods:
+                yield node.name, node.lineno
+
+
+def test_every_dispatcher_in_functx_is_a_registered_way_in():
+    registered = {(entry.installed_by, entry.dispatcher.__name__) for entry in WAYS_IN}
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        module = "functx." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for name, line in _dispatcher_classes(ast.parse(path.read_text())):
+            assert (module, name) in registered, f"{path.relative_to(ROOT)}:{line} {name} is a way in not registered with core/patches.way_in"
+            found.add((module, name))
+    assert found == registered
+    assert len({entry.what for entry in WAYS_IN}) == len(WAYS_IN) == 3
+
+
+def test_the_source_check_sees_a_mode_and_a_dispatch_class():
+    tree = ast.parse(
+        "class M(torch.overrides.TorchFunctionMode): pass\n"
+        "class T(torch.Tensor):\n    def __torch_dispatch__(cls, *a): pass\n"
+        "class Plain: pass\n"
+    )
+    assert [name for name, _ in _dispatcher_classes(tree)] == ["M", "T"]
+
+
+def test_a_second_dispatcher_for_one_way_in_is_refused():
+    class Another:
+        pass
+
+    with pytest.raises(RuntimeError, match="one door per way in"):
+        way_in(WAYS_IN[0].what, Another, "a second door")
+    assert Another not in [entry.dispatcher for entry in WAYS_IN]
