@@ -4,7 +4,6 @@ mode, plus the Jacobian/Hessian transforms built from them."""
 from . import aten_forward_rules  # noqa: F401  (ATen forward formulas torch gets wrong)
 from . import aten_reverse_rules  # noqa: F401  (ATen reverse formulas that fail at higher orders)
 from . import checkpointing  # noqa: F401  (torch.utils.checkpoint under transforms)
-from . import custom_function  # noqa: F401  (autograd.Function at grad and jvp levels)
 from . import library_ops  # noqa: F401  (torch.library operators keep their tangents)
 from . import user_backward  # noqa: F401  (.backward() inside a transform: a clear error)
 from .forward import hessian, jacfwd, jvp, linearize

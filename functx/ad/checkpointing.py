@@ -33,7 +33,7 @@ import torch.utils.checkpoint as _checkpoint
 from ..core.custom_function import replace_under_transforms
 from ..core.interpreter import current_stack
 from ..core.patches import patch
-from ..vmap.batched_tensor import VmapInterpreter
+from ..vmap.interpreter import VmapInterpreter
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
 

@@ -41,8 +41,9 @@ import torch
 
 from ..core.interpreter import current_stack
 from ..core.level_tensor import LevelTensor
-from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
-from ..vmap.chain import vmap_levels_on_top
+from ..vmap.batched_tensor import BatchedTensor
+from ..vmap.interpreter import VmapInterpreter
+from ..vmap.interpreter import vmap_levels_on_top
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
 from .wrapped_forward import WrappedJvpLevel

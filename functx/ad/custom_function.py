@@ -27,15 +27,12 @@ import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled as _forward_grad_enabled
 
 from ..core.forward_ad_state import level_rule
-from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, register_value_rule, with_forward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, with_forward
 from ..core.level_tensor import LevelTensor
-from .direct_forward import DirectJvpLevel
 from .direct_reverse import is_differentiated
+from .dual_tensor import DUAL_LEVEL, DualTensor, function_inputs, make_duals, unpack_dual
 from .lifting import applying_below
-from .wrapped_forward import WrappedJvpLevel, function_inputs, make_duals
-from .wrapped_reverse import WrappedGradLevel
 
-_unpack_dual = torch._VF._unpack_dual
 _pending = threading.local()  # the level whose single-level Function is being applied
 
 
@@ -60,7 +57,7 @@ def single_level_function(function):
 
     def jvp(ctx, *tangents):
         if function.jvp is torch.autograd.Function.jvp:
-            raise RuntimeError(_no_jvp_message(name))
+            raise RuntimeError(no_jvp_message(name))
         return function.jvp(ctx, *tangents)
 
     return with_forward(function, forward, "AtLevel", jvp)
@@ -80,7 +77,7 @@ def _wrap_outputs(level, outputs, args, values):
     return wrap(outputs)
 
 
-def _no_jvp_message(name):
+def no_jvp_message(name):
     return (
         f"functx.jvp: the autograd.Function {name} has no jvp staticmethod. Forward-mode "
         f"transforms (jvp, jacfwd, linearize's users) need one: define "
@@ -134,9 +131,9 @@ def _differentiated_below(x) -> bool:
     is looked for through it.)"""
     if is_differentiated(x):
         return True
-    while isinstance(x, LevelTensor) and not isinstance(x._interp, WrappedJvpLevel):
+    while isinstance(x, LevelTensor) and type(x) is not DualTensor:
         x = x._value
-    return type(x) is torch.Tensor and _unpack_dual(x, 0)[1] is not None
+    return type(x) is torch.Tensor and unpack_dual(x, DUAL_LEVEL)[1] is not None
 
 
 def old_style_seen_below(function):
@@ -170,7 +167,7 @@ def old_style_seen_below(function):
 
     def jvp(ctx, *tangents):  # a wrapped jvp level applying it to its carriers: `jvp(jvp)`
         if function.jvp is torch.autograd.Function.jvp:
-            raise RuntimeError(_no_jvp_message(name))
+            raise RuntimeError(no_jvp_message(name))
         return function.jvp(ctx, *tangents)
 
     return type(f"{name}SeenBelow", (torch.autograd.Function,), {
@@ -197,7 +194,7 @@ def _apply_at_jvp_level(level, function, args, kwargs):
             outputs = function.apply(*primals, **kwargs)
         return level.wrap_outputs(outputs, False)
     if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
-        raise RuntimeError(_no_jvp_message(function.__name__))
+        raise RuntimeError(no_jvp_message(function.__name__))
     # torch's own apply on plain duals, unless a tangent is another level's (a vmap's
     # BatchedTensor): torch would check the view-ness of the jvp's result on that wrapper,
     # which is never a C++ view ("forward is returning a view but the jvp is not")
@@ -216,20 +213,3 @@ def _apply_at_jvp_level(level, function, args, kwargs):
         if outputs is dual:
             return arg
     return level.wrap_outputs(outputs, True)
-
-
-def check_jvp_on_values(level, function, args, kwargs):
-    """A jvp level on values (direct, no vmap levels of its own) lets torch's forward AD apply
-    the Function, which calls its `jvp`: refuse clearly where there is none and an argument
-    carries a tangent (torch's own error names no function). Returns None: torch's apply."""
-    if level.vmap_levels or function.jvp is not torch.autograd.Function.jvp:
-        return None
-    for a in optree.tree_leaves(args, none_is_leaf=True):
-        if isinstance(a, torch.Tensor) and torch._VF._unpack_dual(a, 0)[1] is not None:
-            raise RuntimeError(_no_jvp_message(function.__name__))
-    return None
-
-
-register_level_rule(WrappedGradLevel, apply_at_grad_level)
-register_level_rule(WrappedJvpLevel, apply_at_jvp_level)
-register_value_rule(DirectJvpLevel, check_jvp_on_values)

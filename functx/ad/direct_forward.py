@@ -14,7 +14,7 @@ forward AD runs on them directly, the tangents attached at torch's single dual l
 the whole function, so the function's ops make no Python dispatch at all. The tangents may
 be batched by vmap levels below (`vmap(jvp(f))` over k tangents with shared primals: the
 Hessian times a matrix): the primal is computed once, and only the tangents' formulas go
-through vmap's rules, which then run below autograd (`ad_above`, batched_tensor.py), as
+through vmap's rules, which then run below autograd (`ad_above`, vmap/interpreter.py), as
 torch.func's C++ levels do. Levels opened inside keep apart from it: a `grad` inside is
 direct too (torch's autograd records on the dual tensors, and its backward formulas carry
 their tangents: forward-over-reverse), a `jvp` inside wraps with carriers (its level is
@@ -36,17 +36,16 @@ carry the level's tangent (and, under a grad on values, its graph).
 
 from __future__ import annotations
 
+import optree
 import torch
 
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
+from .custom_function import no_jvp_message
+from .dual_tensor import DUAL_LEVEL, load_forward_decompositions, make_dual, overlaps, tangent_like, unpack_dual
 from .direct_reverse import install_above, install_direct_level, recorded_at, restore_above, restore_direct_level
 from .level import ADLevel, unwrap_level
 from .lifting import CapturedWrites
-from .wrapped_forward import _overlaps, _tangent_like, load_forward_decompositions
 
-_make_dual = torch._make_dual
-_unpack_dual = torch._VF._unpack_dual
-_DUAL_LEVEL = 0
 
 
 def _same_layout(tangent, primal) -> bool:
@@ -79,11 +78,27 @@ class DirectJvpLevel(ADLevel):
         opened inside must keep its own tangents off them (wrapped_forward.py)."""
         return not self.vmap_levels
 
+    @property
+    def functions_on_plain_values(self) -> bool:
+        """On values, torch's forward AD applies autograd.Functions to them: `apply_function`
+        sees those (a level on vmap's physical tensors sees them through vmap's rule)."""
+        return not self.vmap_levels
+
+    def apply_function(self, function, args, kwargs):
+        """An autograd.Function applied to values (this level on values): torch's own apply,
+        which calls its `jvp`. Refused clearly where there is none and an argument carries a
+        tangent (torch's own error names no function)."""
+        if function.jvp is torch.autograd.Function.jvp:
+            for a in optree.tree_leaves(args, none_is_leaf=True):
+                if isinstance(a, torch.Tensor) and unpack_dual(a, DUAL_LEVEL)[1] is not None:
+                    raise RuntimeError(no_jvp_message(function.__name__))
+        return NotImplemented
+
     def pushed(self):
         if not self.vmap_levels:
             self._outer = install_above(self)
         else:
-            # vmap's rules keep forward AD on for these tangents (batched_tensor.py)
+            # vmap's rules keep forward AD on for these tangents (vmap/interpreter.py)
             self._outer = install_direct_level(self.vmap_levels, self)
         self._writes = CapturedWrites(self, "jvp")
         self._writes.__enter__()
@@ -103,14 +118,14 @@ class DirectJvpLevel(ADLevel):
             # made under torch.inference_mode() (cannot carry a tangent), or overlapping in
             # memory (`x.expand(3, 4)`: a tangent laid out like it could not hold a value per
             # element): differentiate a copy, as plain torch's forward AD needs
-            if primal.is_inference() or _overlaps(primal):
+            if primal.is_inference() or overlaps(primal):
                 primal = primal.clone()
             if tangent.stride() != primal.stride() or tangent.is_inference():
                 # laid out like the primal (torch's rule for tangents), made through the
                 # tangent's vmap levels (a batched tangent: BatchedTensor strides are per
                 # element, and torch checks the rest, `_has_same_storage_numel`)
-                tangent = _tangent_like(tangent, primal, tangent)
-            return _make_dual(primal, tangent, level=_DUAL_LEVEL)
+                tangent = tangent_like(tangent, primal, tangent)
+            return make_dual(primal, tangent, level=DUAL_LEVEL)
         if not is_batched_everywhere(levels, primal):
             self.lifts_buffers = True
         physical = batched_everywhere(levels, primal)
@@ -123,13 +138,13 @@ class DirectJvpLevel(ADLevel):
             # input (vmap's chunk_size), made torch's forward-AD view check assert on the
             # primal's first view where torch does not relayout the tangent itself (under
             # functx.jit's fake tensors: "the tangent have the same layout as primal")
-            physical_tangent = _tangent_like(physical_tangent, physical, physical_tangent)
+            physical_tangent = tangent_like(physical_tangent, physical, physical_tangent)
             if not _same_layout(physical_tangent, physical):
                 # functionalization's zeros lose a chunk's storage offset: differentiate a
                 # copy of the chunk, whose layout the tangent can take
                 physical = physical.clone()
-                physical_tangent = _tangent_like(physical_tangent, physical, physical_tangent)
-        return wrap_chain(levels, _make_dual(physical, physical_tangent, level=_DUAL_LEVEL))
+                physical_tangent = tangent_like(physical_tangent, physical, physical_tangent)
+        return wrap_chain(levels, make_dual(physical, physical_tangent, level=DUAL_LEVEL))
 
     def lift_buffer(self, x):
         """A buffer the function made, batched like the primals (DirectGradLevel.lift_buffer)."""
@@ -141,11 +156,11 @@ class DirectJvpLevel(ADLevel):
             x = unwrap_level(x, self)  # wrappers of levels opened inside and finished
             if not isinstance(x, torch.Tensor):
                 return x, None
-            return _unpack_dual(x, _DUAL_LEVEL)
+            return unpack_dual(x, DUAL_LEVEL)
         physical = peel(self.vmap_levels, x)
         if not isinstance(physical, torch.Tensor):
             return x, None
-        primal, tangent = _unpack_dual(physical, _DUAL_LEVEL)
+        primal, tangent = unpack_dual(physical, DUAL_LEVEL)
         return (
             rewrap_like(x, self.vmap_levels, primal),
             None if tangent is None else rewrap_like(x, self.vmap_levels, tangent),
@@ -158,7 +173,7 @@ class DirectJvpLevel(ADLevel):
         """Whether `x` (any tensor of the function) carries this level's tangent: the tensor
         torch's forward AD records it on (DirectGradLevel.recorded) has one."""
         t = recorded_at(self, self.vmap_levels, x)
-        return isinstance(t, torch.Tensor) and _unpack_dual(t, _DUAL_LEVEL)[1] is not None
+        return isinstance(t, torch.Tensor) and unpack_dual(t, DUAL_LEVEL)[1] is not None
 
     def export(self, tree):
         return tree  # `unpack` already took this level's tangents off

@@ -49,7 +49,8 @@ import torch
 
 from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import LevelTensor
-from ..vmap.batched_tensor import BatchedTensor, VmapInterpreter
+from ..vmap.batched_tensor import BatchedTensor
+from ..vmap.interpreter import VmapInterpreter
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, wrap_chain
 from .level import ADLevel, autograd_grad, unwrap_level
 from .lifting import CapturedWrites
@@ -75,7 +76,7 @@ def restore_direct_level(vmap_levels, previous):
 def install_above(level):
     """Mark the vmap levels under a direct level on values (no vmap levels of its own) as
     having AD above them: torch records on their BatchedTensors, so their rules run below
-    autograd (batched_tensor.py `ad_above`). Returns what was there."""
+    autograd (vmap/interpreter.py `ad_above`). Returns what was there."""
     below = [v for v in current_stack() if type(v) is VmapInterpreter]
     previous = [(v, v.ad_above) for v in below]
     for v in below:

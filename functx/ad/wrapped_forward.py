@@ -53,14 +53,28 @@ from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 from ..core.dual_values import one_level_down_over_dual_values
 from ..core.forward_ad_state import user_forward_ad
-from ..core.interpreter import EnteredTogether, current_stack, functx_code
+from ..core.interpreter import EnteredTogether, current_stack
 from ..core.level_tensor import (
     LevelTensor,
     mutated_argument,
     promote_for_write,
     refresh_views,
     replay_inplace_view,
-    wrapper_like,
+)
+from .custom_function import apply_at_jvp_level
+from .dual_tensor import (
+    LIST_MARK,
+    DualList,
+    DualTensor,
+    as_outside,
+    levels_of,
+    load_forward_decompositions,
+    make_duals,
+    overlaps,
+    tangent_like,
+    tangent_of,
+    view_like,
+    views_tracked,
 )
 from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
 from .lifting import raise_captured_write
@@ -68,7 +82,6 @@ from .lifting import raise_captured_write
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
-_zeros_like_layout = torch.ops.aten._new_zeros_with_same_feature_meta.default
 _DUAL_LEVEL = 0  # torch has exactly one forward-AD level
 
 # Ops whose result does not depend on their arguments' values: no tangent. (torch.autograd.grad
@@ -83,7 +96,6 @@ _VALUE_FREE = frozenset(
     )
 )
 _ADInplaceOrView = torch._C.DispatchKey.ADInplaceOrView
-_AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 NO_FORWARD_FORMULA = "Trying to use forward AD with"  # torch's error for an op without one
 _SPARSE_PRIMAL = "Cannot access storage of SparseTensorImpl"  # `_make_dual` needs a strided primal
@@ -107,20 +119,6 @@ _DECOMPOSED_WHEN_NESTED = {
 }
 
 
-_forward_decompositions_loaded = False
-
-
-def load_forward_decompositions():
-    """torch's forward AD runs some ops' forward derivative by a TorchScript decomposition
-    that torch registers on importing this module (torch.autograd.forward_ad.make_dual does it
-    too). It takes 0.3 s: the first jvp pays it, not `import functx`."""
-    global _forward_decompositions_loaded
-    if not _forward_decompositions_loaded:
-        import torch._decomp.decompositions_for_jvp  # noqa: F401
-
-        _forward_decompositions_loaded = True
-
-
 def op_jvp_without_formula(op, primals, tangents, kwargs, error):
     """`(output, output tangents)` of one op torch has no forward formula for. The transforms
     above the levels install it (forward.jvp_by_double_vjp: the double-VJP identity, which
@@ -134,91 +132,6 @@ def _forward_ad_on():
     return _no_context if torch._C._is_fwd_grad_enabled() else _set_fwd_grad_enabled(True)
 
 
-def _views_tracked():
-    """`ADInplaceOrView` on: `_make_dual` makes its dual a view there. Restoring the outside
-    dispatch state is not always enough: under a call that torch's autograd itself made
-    (`torch.autograd.grad` making its default cotangent) the saved state has it excluded."""
-    return torch._C._SetExcludeDispatchKeyGuard(_ADInplaceOrView, False)
-
-
-def _overlaps(x) -> bool:
-    """Whether elements of `x` share memory (an expand: a tangent laid out like it could not
-    hold a value per element); 0 is torch's "no overlap". A level's wrapper has no storage of
-    its own: there, a stride of 0 over more than one element (its strides are its value's,
-    per element)."""
-    if x.layout != torch.strided:
-        return False
-    if isinstance(x, LevelTensor):
-        return any(stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape))
-    return torch._debug_has_internal_overlap(x) != 0
-
-
-class DualTensor(LevelTensor):
-    """A tensor inside a wrapped `jvp` level: primal and tangent (None: zero), one level down."""
-
-    @staticmethod
-    def __new__(cls, primal: torch.Tensor, tangent, level: "WrappedJvpLevel"):
-        wrapper = wrapper_like(cls, primal, level)
-        wrapper._tangent = tangent
-        return wrapper
-
-    def __repr__(self):
-        return f"DualTensor(level={self._interp.level}, primal={self._value!r}, tangent={self._tangent!r})"
-
-    __str__ = __repr__
-
-
-def tangent_of(x: DualTensor):
-    """`x`'s tangent. A view of a DualTensor whose base got a tangent after the view was made
-    (an in-place write into the base or a sibling view) sees its part of the base's tangent,
-    as torch's forward AD does for views."""
-    tangent = x._tangent
-    if tangent is None and x._is_view():
-        base = x._base
-        if type(base) is DualTensor and base._interp is x._interp and base._tangent is not None:
-            tangent = x._tangent = _view_like(base._tangent, base, x)
-    return tangent
-
-
-def _levels(x) -> set:
-    """The levels whose tensors `x` is made of (its chain of wrappers)."""
-    levels = set()
-    while isinstance(x, LevelTensor):
-        levels.add(x._interp)
-        x = x._value
-    return levels
-
-
-def _tangent_like(like, primal, old):
-    """Zeros laid out like `primal`, made through `primal`'s levels and `like`'s (a tensor, or
-    a list of tensors whose levels the zeros must all take), holding `old` if there is one."""
-    if type(like) is not list:
-        tangent = _zeros_like_layout(like, primal)
-    else:
-        tangent = _zeros_like_layout(like[0], primal)
-        for other in like[1:]:
-            if not _levels(other) <= _levels(tangent):
-                tangent = _zeros_like_layout(other, tangent)  # laid out like `tangent`, so like `primal`
-    return tangent if old is None else tangent.copy_(old)
-
-
-def _view_like(base_tangent, base, view):
-    """The part of `base_tangent` that `view` is of `base` (tangents are laid out like their
-    primals, so the view's sizes, strides and offset select it)."""
-    offset = view.storage_offset() - base.storage_offset() + base_tangent.storage_offset()
-    with _as_outside():  # a view torch's autograd knows: writes into it reach the base's graph
-        return base_tangent.as_strided(view.shape, view.stride(), offset)
-
-
-def _as_outside():
-    """Inside `__torch_dispatch__` (autograd excluded), the dispatch state of outside for a
-    block: tensors made there are recorded by the levels below and tracked as views, as the
-    op's own results are. Outside, nothing to do."""
-    if _tls_excluded(_AUTOGRAD_CPU) or _tls_excluded(_ADInplaceOrView):
-        return _InsideOut()
-    return _no_context
-
-
 class _RestoredForwardOff(EnteredTogether):
     """The outside dispatch state with torch's forward AD off (`_one_level_down`)."""
 
@@ -226,13 +139,6 @@ class _RestoredForwardOff(EnteredTogether):
 
     def guards(self):
         return _restore_autograd(), _set_fwd_grad_enabled(False)
-
-
-class _InsideOut(EnteredTogether):
-    __slots__ = ()
-
-    def guards(self):
-        return _restore_autograd(), _views_tracked()
 
 
 def _inplace_view(op) -> bool:
@@ -582,20 +488,26 @@ class WrappedJvpLevel(WrappedLevel):
             return _restore_autograd()  # forward AD as it is (forward levels below decide)
         return _RestoredForwardOff()
 
+    def apply_function(self, function, args, kwargs):
+        """An autograd.Function whose arguments hold this level's tensors: applied one level
+        down to duals of their primals and tangents, so torch calls its `jvp` there
+        (ad/custom_function.py)."""
+        return apply_at_jvp_level(self, function, args, kwargs)
+
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def dual(self, primal: torch.Tensor, tangent: torch.Tensor) -> DualTensor:
         """The function's input for `primal` with `tangent`. Tangents are kept laid out like
         their primals (torch's rule for forward gradients), so views of them line up."""
-        if primal.is_inference() or _overlaps(primal):  # cannot carry a (per-element) tangent
+        if primal.is_inference() or overlaps(primal):  # cannot carry a (per-element) tangent
             primal = primal.clone()
         if tangent.is_inference():
             tangent = tangent.clone()
         if tangent.layout == torch.strided and (
-            tangent.stride() != primal.stride() or not _levels(primal) <= _levels(tangent)
+            tangent.stride() != primal.stride() or not levels_of(primal) <= levels_of(tangent)
         ):
             # laid out like the primal, and a tensor of the levels the primal lives at: torch's
             # formulas write into tangents in place (`sin_`), with values of those levels
-            tangent = _tangent_like(tangent, primal, tangent)
+            tangent = tangent_like(tangent, primal, tangent)
         return DualTensor(primal, tangent, self)
 
     def unpack(self, x):
@@ -673,7 +585,7 @@ class WrappedJvpLevel(WrappedLevel):
             tangents[mutated] = self._tangent_for_write(args[mutated], tangents[mutated], written)
         carrier = None if not self.nested and _all_plain(primals, kw_primals) else self
         try:
-            with _restore_autograd(), _views_tracked(), _forward_ad_on():
+            with _restore_autograd(), views_tracked(), _forward_ad_on():
                 every = self.over_dual_values
                 duals = make_duals(primals, tangents, carrier, every)
                 kw_duals = dict(zip(kwargs, make_duals(kw_primals, kw_tangents, carrier, every)))
@@ -688,7 +600,7 @@ class WrappedJvpLevel(WrappedLevel):
                     f"a tangent to a sparse tensor (`_make_dual`). Keep the tangent-carrying values "
                     f"dense (`.to_dense()`), or use reverse mode (vjp, jacrev)."
                 ) from error
-            simple = mutated is None and not kwargs and all(t is not _LIST_MARK for t in tangents)
+            simple = mutated is None and not kwargs and all(t is not LIST_MARK for t in tangents)
             if NO_FORWARD_FORMULA not in str(error) or not simple:
                 raise
             with self._one_level_down():
@@ -824,8 +736,8 @@ class WrappedJvpLevel(WrappedLevel):
             return _GENERAL
         try:
             with _restore_autograd(), _forward_ad_on():
-                if _tls_excluded(_ADInplaceOrView):  # rare (see _views_tracked); the guard costs
-                    with _views_tracked():
+                if _tls_excluded(_ADInplaceOrView):  # rare (see views_tracked); the guard costs
+                    with views_tracked():
                         return self._on_plain_duals(op, values, tangents, kwargs)
                 return self._on_plain_duals(op, values, tangents, kwargs)
         except NotImplementedError:
@@ -835,7 +747,7 @@ class WrappedJvpLevel(WrappedLevel):
         for i, tangent in enumerate(tangents):
             if tangent is not None:
                 value = values[i]
-                if 0 in value.stride() and _overlaps(value):
+                if 0 in value.stride() and overlaps(value):
                     # an expanded primal: where torch finds its tangent laid out otherwise
                     # (other strides, or another storage size: a reduction's 0-dim result
                     # expanded) it copies the tangent into the primal's layout, where elements
@@ -863,8 +775,8 @@ class WrappedJvpLevel(WrappedLevel):
                     primals.append(type(a)(inner_p))
                     tangents.append(None)
                 else:
-                    primals.append(_DualList(type(a), inner_p, inner_t))
-                    tangents.append(_LIST_MARK)
+                    primals.append(DualList(type(a), inner_p, inner_t))
+                    tangents.append(LIST_MARK)
             else:
                 primals.append(a)
                 tangents.append(None)
@@ -902,20 +814,20 @@ class WrappedJvpLevel(WrappedLevel):
         plain), so the primal's levels alone do not say it. For a view, that happens to its
         base (the write lands in the base's tangent, as the value lands in the base), and
         the view's tangent is its part of the base's."""
-        needed = _levels(target._value)
+        needed = levels_of(target._value)
         for t in written:
-            needed |= _levels(t)
-        if tangent is not None and needed <= _levels(tangent):
+            needed |= levels_of(t)
+        if tangent is not None and needed <= levels_of(tangent):
             return tangent
         # tangents laid out like this one's primal, through the levels each of them lives at
         likes = [t for t in (tangent, *written) if t is not None]
         base = target._base if target._is_view() else None
-        with _as_outside():
+        with as_outside():
             if type(base) is DualTensor and base._interp is self:
-                base._tangent = _tangent_like(likes, base._value, tangent_of(base))
-                target._tangent = _view_like(base._tangent, base, target)
+                base._tangent = tangent_like(likes, base._value, tangent_of(base))
+                target._tangent = view_like(base._tangent, base, target)
             else:
-                target._tangent = _tangent_like(likes, target._value, tangent)
+                target._tangent = tangent_like(likes, target._value, tangent)
         return target._tangent
 
     def _write_back(self, target: DualTensor, tangent, dual):
@@ -940,25 +852,13 @@ class WrappedJvpLevel(WrappedLevel):
         return x
 
 
-class _DualList:
-    """A list argument some of whose elements carry tangents: made into duals element-wise."""
-
-    __slots__ = ("kind", "primals", "tangents")
-
-    def __init__(self, kind, primals, tangents):
-        self.kind, self.primals, self.tangents = kind, primals, tangents
-
-
-_LIST_MARK = object()
-
-
 def _written_tangents(primals, tangents, kw_primals, kw_tangents, mutated):
     """The tangents an in-place op writes into its target's tangent: those of every argument
     but the target (list elements included)."""
     written = []
     for values, marks in ((primals, tangents), (kw_primals, kw_tangents)):
         for i, (p, t) in enumerate(zip(values, marks)):
-            if t is _LIST_MARK:
+            if t is LIST_MARK:
                 written.extend(e for e in p.tangents if e is not None)
             elif t is not None and not (values is primals and i == mutated):
                 written.append(t)
@@ -966,7 +866,7 @@ def _written_tangents(primals, tangents, kw_primals, kw_tangents, mutated):
 
 
 def _plain(x) -> bool:
-    if type(x) is _DualList:
+    if type(x) is DualList:
         return all(_plain(e) for e in x.primals)
     if type(x) is list or type(x) is tuple:
         return all(_plain(e) for e in x)
@@ -978,40 +878,3 @@ def _all_plain(*groups) -> bool:
     return all(_plain(x) for group in groups for x in group)
 
 
-def function_inputs(primals, tangents):
-    """A Function's differentiated inputs made ready for torch's make_dual, as the level's
-    `dual` makes the function's own: an expanded input copied (a tangent laid out like it
-    could not hold a value per element), and each tangent laid out like its input, through
-    its levels (torch's make_dual would copy a batched tangent into a layout of its own
-    making, a tensor of none of its vmap levels: zeros, or a write into shared memory).
-    (Not done for every op in `process`: an op writes into its input itself.)"""
-    primals, tangents = list(primals), list(tangents)
-    with functx_code():  # functx's own tensors: not lifted into the level applying the Function
-        for i, (p, t) in enumerate(zip(primals, tangents)):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if _overlaps(p):
-                primals[i] = p = p.clone()
-            if t.layout == torch.strided and (t.stride() != p.stride() or not _levels(p) <= _levels(t)):
-                tangents[i] = _tangent_like(t, p, t)
-    return primals, tangents
-
-
-def make_duals(primals, tangents, carrier=None, every=False):
-    """torch duals of `primals` with `tangents` (None: no dual): of the values themselves, or,
-    with `carrier` (a level), of fresh tensors of that level holding them. With `every`,
-    the primals without a tangent go in as carriers too (`WrappedJvpLevel.over_dual_values`)."""
-
-    def dual(p, t):
-        if t is None:
-            if every and isinstance(p, torch.Tensor):
-                return DualTensor(p, None, carrier)
-            return p
-        if carrier is not None:
-            p, t = DualTensor(p, None, carrier), DualTensor(t, None, carrier)
-        return _make_dual(p, t, level=_DUAL_LEVEL)
-
-    return [
-        p.kind(dual(e, t) for e, t in zip(p.primals, p.tangents)) if t is _LIST_MARK else dual(p, t)
-        for p, t in zip(primals, tangents)
-    ]

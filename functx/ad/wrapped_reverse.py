@@ -34,7 +34,9 @@ from ..core.level_tensor import (
     view_as_real_resolved,
     wrapper_like,
 )
-from ..vmap.batched_tensor import VmapInterpreter, wrapper_requires_grad
+from ..vmap.batched_tensor import wrapper_requires_grad
+from ..vmap.interpreter import VmapInterpreter
+from .custom_function import apply_at_grad_level
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
 
@@ -102,6 +104,11 @@ class WrappedGradLevel(WrappedLevel):
             self.lower, self._lower_into_vmap = _restore_autograd, _no_context_factory
         else:
             self.lower, self._lower_into_vmap = _restore_without_grad, torch.no_grad
+
+    def apply_function(self, function, args, kwargs):
+        """An autograd.Function whose arguments hold this level's tensors: its single-level
+        version, applied to them (ad/custom_function.py)."""
+        return apply_at_grad_level(self, function, args, kwargs)
 
     # -- the AD level protocol (level.py) ------------------------------------------------------
     def leaf(self, x):

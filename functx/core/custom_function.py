@@ -3,8 +3,7 @@
 An autograd.Function is not an ATen op: its `apply` never reaches `__torch_dispatch__`,
 and a TorchFunctionMode does not see it either. So importing functx replaces
 `Function.apply` by `_apply`, which hands the call to the highest level among the
-arguments (the rule its transform registered with `register_level_rule`); that level
-transforms the Function once and
+arguments (`Interpreter.apply_function`); that level transforms the Function once and
 applies the result one level down, where the next level does the same, until plain torch
 runs it. It has to be in place for good, not only while a transform runs: code binds
 `F.apply` early (`vmap(F.apply)`, `op = F.apply` at import time). On a thread with no
@@ -53,9 +52,7 @@ def apply_original(function, *args, **kwargs):
     return _original_apply_function(function, *args, **kwargs)
 
 
-_LEVEL_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs)
 _REPLACED: dict = {}  # Function class -> what runs instead of its apply under a transform
-_VALUE_RULES: dict = {}  # interpreter class -> rule(level, function, args, kwargs) or None
 
 
 _function_body = threading.local()  # `depth`: Functions being applied on plain values
@@ -81,23 +78,10 @@ def in_function_body() -> bool:
     return getattr(_function_body, "depth", 0) > 0
 
 
-def register_level_rule(level_class, rule) -> None:
-    """How levels of `level_class` apply an autograd.Function: `rule(level, function, args, kwargs)`."""
-    _LEVEL_RULES[level_class] = rule
-
-
 def replace_under_transforms(function, replacement) -> None:
     """Under any functx transform, `function.apply(*args, **kwargs)` calls
     `replacement(*args, **kwargs)` instead (torch's reentrant checkpoint: ad/checkpointing.py)."""
     _REPLACED[function] = replacement
-
-
-def register_value_rule(level_class, rule) -> None:
-    """How levels of `level_class`, which own no tensors (they record on the values: the
-    direct AD levels), see an autograd.Function applied to values none of whose levels is
-    higher: `rule(level, function, args, kwargs)` returns the result, or None for torch's
-    own apply."""
-    _VALUE_RULES[level_class] = rule
 
 
 def cached_on_class(function, key, make):
@@ -180,18 +164,18 @@ def _apply(cls, *args, **kwargs):
             top = a._interp
     if top is None:
         for interp in reversed(_interpreter._stack.interpreters):
-            value_rule = _VALUE_RULES.get(type(interp))
-            if value_rule is not None:
-                out = value_rule(interp, cls, args, kwargs)
-                if out is not None:
+            if interp.functions_on_plain_values:
+                out = interp.apply_function(cls, args, kwargs)
+                if out is not NotImplemented:
                     return out
+                break
         with function_body():
             return _original_apply_function(cls, *args, **kwargs)
-    rule = _LEVEL_RULES.get(type(top))
-    if rule is None:
-        raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")
     with applying_function(), function_body():  # torch's forward AD off in its forward and jvp is not the user's
-        return rule(top, cls, args, kwargs)
+        out = top.apply_function(cls, args, kwargs)
+    if out is NotImplemented:
+        raise NotImplementedError(f"functx: {type(top).__name__} levels do not support torch.autograd.Function")
+    return out
 
 
 def _forward_signature(function):

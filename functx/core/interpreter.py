@@ -86,6 +86,20 @@ class Interpreter:
     def process(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # Whether an autograd.Function applied to plain tensors only (no level's among its
+    # arguments) comes to this level's `apply_function` (the innermost such live level): a
+    # level that records on plain values (a direct jvp level on values) sees them there.
+    functions_on_plain_values = False
+
+    def apply_function(self, function: type, args: tuple, kwargs: dict) -> Any:
+        """Apply `function` (a `torch.autograd.Function` subclass) to `args`, where this is the
+        highest level among them (or, with `functions_on_plain_values`, to plain values):
+        transform the Function once for this level and apply the result one level down,
+        where the next level does the same. NotImplemented: this level has no way (an
+        error for a level among the arguments; torch's own apply for plain values). Called
+        by one dispatcher, core/custom_function.py."""
+        return NotImplemented
+
     def refresh(self) -> None:
         """Set `self.lower`: a zero-argument callable whose context is "one level down" for
         this level (the dispatch state its rules compute with the values in). Decided here,

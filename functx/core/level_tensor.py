@@ -60,7 +60,7 @@ class LevelTensor(torch.Tensor):
     # carried the bit would have its lazy conjugation resolved by torch on the wrapper's
     # (value-less) metadata and silently lost (measured: every op wrong). Wrappers never carry
     # it; `is_conj()` reports the value's bit instead (AD levels keep a lazy conj view one
-    # level down; vmap materializes it and remembers it, batched_tensor.py), as torch.func's
+    # level down; vmap materializes it and remembers it, vmap/rules/pointwise.py), as torch.func's
     # wrappers report it, and `resolve_conj()` resolves through the levels.
     def is_conj(self):
         return self._value.is_conj()

@@ -1,4 +1,5 @@
-"""`BatchedTensor` (vmap's level tensor) and `VmapInterpreter` (vmap's level).
+"""`BatchedTensor` (vmap's level tensor) and the batching-rule tables (`VMAP_RULES`,
+`SPECIAL_RULES`) its level, `VmapInterpreter` (vmap/interpreter.py), runs ops through.
 
 A BatchedTensor's `_value` always holds the batch dimension at position 0; its logical
 shape, the one user code sees, is `_value.shape[1:]`. Keeping the batch dim in front lets
@@ -9,18 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..core.dual_values import one_level_down_over_dual_values
-from ..core.forward_ad_state import user_forward_ad
-from ..core.errors import DeadLevelError
-from ..core.interpreter import EnteredTogether, Interpreter
-from ..core.level_tensor import LevelTensor, is_user_detach, mutated_argument, promote_for_write, refresh_views
+from ..core.level_tensor import LevelTensor, is_user_detach
 from ..core.rules import RuleTable
 from .per_sample_check import per_sample_checked
 
-_restore_autograd = torch._C._RestorePythonTLSSnapshot
-_below_autograd = torch._C._AutoDispatchBelowAutograd
 _DETACH = torch.ops.aten.detach.default
-_forward_ad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _wrapper_requires_grad = torch._C.TensorBase.__dict__["requires_grad"]  # the C++ flag itself
 wrapper_requires_grad = _wrapper_requires_grad.__get__
@@ -30,7 +24,7 @@ class BatchedTensor(LevelTensor):
     """A tensor inside `functx.vmap`: one value per batch element, batch dim first."""
 
     @staticmethod
-    def __new__(cls, value: torch.Tensor, interp: "VmapInterpreter"):
+    def __new__(cls, value: torch.Tensor, interp):
         wrapper = _make_wrapper(
             cls, value.shape[1:], value.stride()[1:], value.storage_offset(), dtype=value.dtype, device=value.device
         )
@@ -79,210 +73,6 @@ class BatchedTensor(LevelTensor):
         )
 
 
-def _same_for_every_element(value) -> bool:
-    """Whether every element along dim 0 of `value` (a plain tensor) equals the first."""
-    if value.stride(0) == 0 or value.shape[0] == 1:
-        return True
-    with torch.no_grad():
-        first = value[:1]
-        same = value == first
-        if value.is_floating_point() or value.is_complex():
-            same |= value.isnan() & first.isnan()
-        return bool(same.all())
-
-
-class _forward_ad_lower(EnteredTogether):
-    """`lower` under a direct jvp level (VmapInterpreter.refresh): outside's state, forward
-    AD as the user has it."""
-
-    __slots__ = ()
-
-    def guards(self):
-        return _restore_autograd(), _forward_ad_enabled(user_forward_ad())
-
-
-_EXPANDED_LEAF_OF = "functx_expanded_leaf_of"  # ad/direct_reverse.EXPANDED_LEAF_OF (vmap sits below ad/)
-
-
-def _reaches_only_finished_leaves(node, limit: int = 1000) -> bool:
-    """Whether the autograd graph from `node` (None: no graph) reaches no leaf but those
-    finished direct grad levels made (`_functx_leaf_of`, or a node marked as the expansion
-    of an unbatched input, ad/direct_reverse.py); False past `limit` nodes."""
-    seen, stack = set(), [node]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if len(seen) > limit:
-            return False
-        expanded_by = node.metadata.get(_EXPANDED_LEAF_OF)
-        if expanded_by is not None and not expanded_by.alive:
-            continue
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad: a leaf
-            level = getattr(variable, "_functx_leaf_of", None)
-            if level is None or level.alive:
-                return False
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return True
-
-
-_UNCHANGED = object()
-
-
-class VmapInterpreter(Interpreter):
-    """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
-
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of")
-
-    def __init__(self, batch_size: int, randomness: str):
-        super().__init__()
-        self.batch_size = batch_size
-        self.randomness = randomness
-        # The direct AD level running on the physical tensors under this level (and maybe
-        # the vmap levels below: ad/direct_reverse.py, direct_forward.py), while one is
-        # open: `requires_grad` and torch.autograd.grad calls inside ask a grad level; a jvp
-        # level keeps forward AD on for the rules.
-        self.direct_ad = None
-        # Set while a direct AD level on values (ad/direct_forward.py, direct_reverse.py with
-        # no vmap levels of their own) is open above this one: torch's autograd and forward
-        # AD then record on this level's BatchedTensors, and the rules run below autograd
-        # (no AD level lies below), as torch.func's batching rules do.
-        self.ad_above = False
-        self.refresh()
-
-    def ride(self, *, direct_ad=_UNCHANGED, ad_above=_UNCHANGED):
-        """An AD level starts (or, given the values from before, stops) riding on this one:
-        set `direct_ad` / `ad_above` and rebuild `lower`. The only way they change."""
-        if direct_ad is not _UNCHANGED:
-            self.direct_ad = direct_ad
-        if ad_above is not _UNCHANGED:
-            self.ad_above = ad_above
-        self.refresh()
-
-    def refresh(self):
-        """`lower`: the dispatch state the rules compute in, one level down, for what rides
-        on this level now. Inside __torch_dispatch__ torch switches off autograd, view
-        tracking and the conj/neg keys; by default a rule runs with the state of outside
-        restored, so the values one level down behave as they do outside any transform: they
-        record autograd graphs (a grad level below, a physical grad level), views of them are
-        tracked, and CompositeImplicitAutograd ops decompose before reaching the level below.
-        (Always restoring measured faster than checking the values first: transformer
-        per-sample grads 6% faster.)"""
-        self.handler_of = VMAP_RULES.handler
-        if self.ad_above:
-            # torch's autograd and forward AD record on this level's wrappers, above: the
-            # rules run below autograd, but for those that run torch's autograd themselves
-            self.lower = _restore_autograd
-            self.handler_of = _handler_below_autograd
-        elif self.over_dual_values:
-            # opened inside a jvp level on values: its tangents flow through the physical
-            # values, never through this level's wrappers (core/dual_values.py)
-            self.lower = one_level_down_over_dual_values
-        elif self.direct_ad is not None and self.direct_ad.forward_mode:
-            # torch calls an autograd.Function's jvp with forward AD off; the physical
-            # tangents here are a direct jvp level's (an outer level's), which must flow on;
-            # the user's `_set_fwd_grad_enabled(False)` holds (core/dual_values.py)
-            self.lower = _forward_ad_lower
-        else:
-            self.lower = _restore_autograd
-
-    def process(self, op, args, kwargs):
-        """One level down: the op's batching rule on the physical values (batch dim first),
-        in `lower`'s dispatch state."""
-        special = SPECIAL_RULES.get(op)
-        if special is not None:  # answered in __torch_dispatch__'s own state
-            out = special(self, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if self.lifted_bases is not None:
-            refresh_views(self, (*args, *kwargs.values()))
-        mutated = mutated_argument(op)
-        if mutated is not None:
-            if type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
-                promote_for_write(args[mutated], args)
-            elif self.direct_ad is not None:
-                unlifted = _unlifted_fresh_constants(args, mutated)
-                if unlifted is not args and not any(self.is_batched(a) for a in unlifted):
-                    with _restore_autograd():  # nothing batched is written: not this level's op
-                        return op(*unlifted, **kwargs)
-                args = unlifted
-        handler = self.handler_of(op)
-        with self.lower():
-            return handler(self, *args, **kwargs)
-
-    def unwrap_dead(self, x):
-        """A BatchedTensor used after its vmap returned (it escaped: stored in a list, an
-        attribute, a closure). Its value still carries the batch dim while its shape says
-        one sample: any result would disagree with its own metadata (`.shape` (3,) but
-        `.sum()` over the batch) or lose derivatives. Refuse, as torch.func does, unless
-        every element is the same: then it stands for that one value. That is what escapes
-        from an unbatched input a direct grad level batched for its per-element gradients
-        (`vmap(grad(f), in_dims=(None, 0))`, f storing `p[0:2]` or `p * 3`: dattri's
-        pattern), which torch.func never batched and lets escape as the plain value. By
-        construction where the batch dim is an expand (stride 0): its derivative is the
-        expand's, the same per element. By value otherwise (every element equal to the
-        first, NaNs in the same places: a value computed from such an input), and only where
-        its graph, if any, reaches nothing but the leaves finished functx levels made for
-        such inputs (their own, or the expansion of the caller's tensor, through which the
-        first element's derivative is the caller's, as in torch.func): equal values with
-        another graph may still have a derivative per element (an inner vmap's `x * 2` of
-        equal rows of an outer grad's input), so those raise. A value that depends on a
-        batched input differs between elements and still raises, as in torch.func."""
-        value = x._value
-        if value.dim() and value.shape[0] and not isinstance(value, LevelTensor):
-            if value.stride(0) == 0:
-                return value[0]
-            if _same_for_every_element(value) and _reaches_only_finished_leaves(value.grad_fn):
-                return value[0]
-        raise DeadLevelError(
-            f"vmap: a tensor of shape {tuple(x.shape)} created inside a functx.vmap was used after "
-            f"that vmap returned (it escaped the vmapped function, e.g. stored in a list, an "
-            f"attribute or a closure). Its value holds the whole batch, so it cannot stand for "
-            f"one sample any more. Return it from the vmapped function instead (it comes back "
-            f"with the batch dim at out_dims)."
-        )
-
-    # -- helpers used by every rule ------------------------------------------------
-    def is_batched(self, x) -> bool:
-        return type(x) is BatchedTensor and x._interp is self
-
-    def unwrap(self, x):
-        """Physical value (batch dim 0) of this level's tensors; anything else as is."""
-        return x._value if type(x) is BatchedTensor and x._interp is self else x
-
-    def wrap(self, value):
-        return BatchedTensor(value, self)
-
-    def wrap_all(self, out):
-        """Wrap every tensor in an op result (tensor, tuple/list of tensors, or other)."""
-        if isinstance(out, torch.Tensor):
-            return BatchedTensor(out, self)
-        if type(out) is tuple or type(out) is list:
-            return type(out)(BatchedTensor(o, self) if isinstance(o, torch.Tensor) else o for o in out)
-        return out
-
-
-
-def _unlifted_fresh_constants(args, mutated):
-    """A write into a tensor not batched here, of values that include a buffer the function
-    made and a direct AD level batched (vmap/randomness.py `_lift_buffer`): while nothing has
-    written into that buffer, every element holds the same value, the factory's, which is
-    written instead (`captured.copy_(torch.zeros(3))` inside `vmap(grad(f))` stays legal)."""
-    new = None
-    for i, a in enumerate(args):
-        origin = getattr(a, "_fresh_origin", None) if i != mutated and type(a) is BatchedTensor else None
-        if origin is not None:
-            value, physical, version = origin
-            if physical._version == version:
-                if new is None:
-                    new = list(args)
-                new[i] = value
-    return args if new is None else tuple(new)
-
-
 def _fallback_factory(op):
     from .fallback import loop_fallback
 
@@ -291,19 +81,6 @@ def _fallback_factory(op):
 
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""
-
-def _handler_below_autograd(op):
-    """`VmapInterpreter.handler_of` under AD on values above: the op's rule below autograd,
-    unless it runs torch's autograd itself (`RULES_USING_AUTOGRAD`)."""
-    rule = VMAP_RULES.handler(op)
-    if op in RULES_USING_AUTOGRAD:
-        return rule
-
-    def below_autograd(interp, *args, **kwargs):
-        with _below_autograd():
-            return rule(interp, *args, **kwargs)
-
-    return below_autograd
 
 
 RULES_USING_AUTOGRAD: set = set()

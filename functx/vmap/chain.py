@@ -7,31 +7,8 @@ are the batch dims of those levels, outermost level first, then the logical dims
 
 from __future__ import annotations
 
-import optree
-import torch
 
-from ..core.level_tensor import LevelTensor
-from .batched_tensor import BatchedTensor, VmapInterpreter
-
-
-def vmap_levels_on_top(stack, below_ok, tensors):
-    """The vmap levels on top of `stack` (innermost last) when everything under them is
-    plain: the levels below them satisfy `below_ok`, and every tensor in `tensors` is real
-    and plain under those levels' wrappers. None otherwise."""
-    vmap_levels = []
-    for level in reversed(stack):
-        if type(level) is not VmapInterpreter:
-            break
-        vmap_levels.append(level)
-    if not vmap_levels or not all(below_ok(level) for level in stack[: len(stack) - len(vmap_levels)]):
-        return None
-    vmap_levels.reverse()
-    for x in optree.tree_leaves(tensors):
-        if isinstance(x, torch.Tensor):
-            x = peel(vmap_levels, x)
-            if isinstance(x, LevelTensor) or x.is_complex():
-                return None
-    return vmap_levels
+from .batched_tensor import BatchedTensor
 
 
 def peel(vmap_levels, x):

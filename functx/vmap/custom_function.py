@@ -44,9 +44,9 @@ from typing import NamedTuple
 import optree
 import torch
 
-from ..core.custom_function import apply_original, cached_on_class, is_new_style, register_level_rule, user_backward, with_forward
+from ..core.custom_function import apply_original, cached_on_class, is_new_style, user_backward, with_forward
 from ..core.errors import PerformanceWarning
-from .batched_tensor import VmapInterpreter
+from .mapping import flatten_in_dims, map_at_level
 from .randomness import lowered
 
 _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/extending.func.html"
@@ -309,10 +309,22 @@ class _Spec:
     the innermost application's spec when the outer forward ran, and the inner forward read
     the outer's in_dims (`vmap(vmap(F.apply, (0, 0)), (0, None))` broadcast wrongly)."""
 
-    __slots__ = ("in_dims", "batch_size", "randomness")
+    __slots__ = ("in_dims", "batch_size", "randomness", "kind")
 
-    def __init__(self, in_dims, batch_size, randomness):
-        self.in_dims, self.batch_size, self.randomness = in_dims, batch_size, randomness
+    def __init__(self, in_dims, level):
+        self.in_dims, self.batch_size, self.randomness, self.kind = in_dims, level.batch_size, level.randomness, type(level)
+
+    def vmap(self, func, in_dims, out_dims=0):
+        """`vmap(func, in_dims, out_dims, randomness)` over this application's batch: each call
+        at a fresh level of the kind applying the Function (its class is not imported here:
+        vmap/interpreter.py imports this module)."""
+
+        def mapped(*args):
+            leaves, flat_dims, tree = flatten_in_dims(func, in_dims, args)
+            level = self.kind(self.batch_size, self.randomness)
+            return map_at_level(level, func, leaves, flat_dims, tree, out_dims, {})
+
+        return mapped
 
 
 class _State:
@@ -401,10 +413,9 @@ def _generated_rule_function(function):
     """A Function that is `function` under vmap; the in_dims and batch size of the current
     application come as its first argument, a `_Spec`. Made once per Function class
     (`cached_on_class`)."""
-    from .api import vmap
 
     def forward(spec, *values):
-        return vmap(function.forward, in_dims=spec.in_dims, randomness=spec.randomness)(*values)
+        return spec.vmap(function.forward, spec.in_dims)(*values)
 
     def setup_context(ctx, inputs, output):
         spec, inputs = inputs[0], inputs[1:]
@@ -420,7 +431,7 @@ def _generated_rule_function(function):
             function.setup_context(_BatchedSaveCtx(ctx, top_interpreter(), state), inputs, output)
             return torch.zeros(())
 
-        vmap(inner, in_dims=(spec.in_dims, 0), out_dims=None, randomness=spec.randomness)(tuple(inputs), output)
+        spec.vmap(inner, (spec.in_dims, 0), out_dims=None)(tuple(inputs), output)
 
     def backward(ctx, *grads):
         state = _state(ctx, function)
@@ -444,9 +455,7 @@ def _generated_rule_function(function):
             )
 
         tensors = iter(
-            vmap(inner, in_dims=(state.saved_dims, grad_dims), randomness=spec.randomness)(
-                tuple(ctx.saved_tensors), grads
-            )
+            spec.vmap(inner, (state.saved_dims, grad_dims))(tuple(ctx.saved_tensors), grads)
         )
         per_input = tuple(None if none else next(tensors) for none in is_none)
         # an unbatched input's gradient is the sum of its per-sample gradients; none for the spec
@@ -472,7 +481,7 @@ def _generated_rule_function(function):
                 return tuple(o for o in out if o is not None)
             return out
 
-        out = vmap(inner, in_dims=(state.saved_forward_dims or state.saved_dims, tangent_dims), randomness=spec.randomness)(
+        out = spec.vmap(inner, (state.saved_forward_dims or state.saved_dims, tangent_dims))(
             tuple(ctx.saved_tensors), tangents
         )
         if not any(none_at):
@@ -497,9 +506,7 @@ def _apply_generated_rule(level, function, args, kwargs):
     # the generated backward gives each input's gradient with its batch dim first
     in_dims, values = in_dims_and_values(level, args)
     generated = cached_on_class(function, "vmap", _generated_rule_function)
-    spec = _Spec(in_dims, level.batch_size, level.randomness)
+    spec = _Spec(in_dims, level)
     outputs = generated.apply(spec, *values, **kwargs)  # one level down (maybe another transform)
     return wrap_user_outputs(level, (outputs, 0), args, values, f"the generated vmap rule of {function.__name__}")
 
-
-register_level_rule(VmapInterpreter, apply_at_vmap_level)

@@ -19,7 +19,7 @@ from functx.ad.choose import choose_level
 from functx.ad.direct_forward import DirectJvpLevel
 from functx.ad.direct_reverse import DirectGradLevel
 from functx.core.interpreter import current_stack
-from functx.vmap.batched_tensor import VmapInterpreter
+from functx.vmap.interpreter import VmapInterpreter
 from tests.ad import finite_differences as fd
 from tests.autograd_functions import Cube, Mul, NumpyTanh, OnceDifferentiableExp
 

@@ -6,8 +6,8 @@ down (on the values under its own wrappers, where lower levels see the op) and w
 comes back. `Tracer` below is the whole of such a level: it records the ops it sees. The
 tests drive it through what the contract promises: composition both ways with a real
 transform, the stack left as it was after an exception, a finished level's tensors standing
-for their values, and the one door for an autograd.Function (a level with no Function rule
-refuses it clearly).
+for their values, and the one door for an autograd.Function (`apply_function`: the tracer
+records it and applies it one level down; a level without the method refuses it clearly).
 """
 
 import pytest
@@ -16,7 +16,7 @@ import torch
 import functx
 from functx.core.interpreter import Interpreter, current_stack, interpreting
 from functx.core.level_tensor import LevelTensor, wrapper_like
-from tests.autograd_functions import NoVmapSupport
+from tests.autograd_functions import Cube, NoVmapSupport
 
 
 class TracedTensor(LevelTensor):
@@ -49,8 +49,20 @@ class Tracer(Interpreter):
         return out
 
 
-def traced(f, x):
-    with interpreting(Tracer()) as level:
+    def apply_function(self, function, args, kwargs):
+        # the highest level among the Function's arguments: record it, apply it one level
+        # down (where the next level, or torch, applies it in turn), wrap what comes back
+        self.ops.append(function.__name__)
+        out = function.apply(*self.unwrap(args), **kwargs)
+        return self.wrap(out) if isinstance(out, torch.Tensor) else out
+
+
+class WithoutFunctions(Tracer):
+    apply_function = Interpreter.apply_function  # the base: NotImplemented
+
+
+def traced(f, x, kind=Tracer):
+    with interpreting(kind()) as level:
         out = f(level.wrap(x))
         return level.unwrap(out), level.ops
 
@@ -86,7 +98,7 @@ def test_lower_is_one_level_down_where_autograd_records():
 
 
 def test_vmap_refreshes_lower_when_an_ad_level_rides_on_it():
-    from functx.vmap.batched_tensor import VmapInterpreter
+    from functx.vmap.interpreter import VmapInterpreter
 
     seen = []
 
@@ -117,7 +129,26 @@ def test_a_finished_levels_tensor_stands_for_its_value():
     torch.testing.assert_close(kept[0] + 1, torch.full((2,), 4.0))  # plain torch from now on
 
 
+def test_an_autograd_function_reaches_the_highest_level_among_its_arguments():
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    out, ops = traced(lambda t: Cube.apply(t.sin(), 2.0) * 3, x)
+    assert ops == ["sin.default", "Cube", "mul.Tensor"]
+    torch.testing.assert_close(out, x.sin() ** 3 * 6)
+    (g,) = torch.autograd.grad(out.sum(), x)  # the Function's backward, recorded one level down
+    torch.testing.assert_close(g, 18 * x.sin() ** 2 * x.cos())
+    # under grad: the tracer's tensors are the highest; the grad level below applies it next
+    inner = []
+
+    def f(t):
+        out, ops = traced(lambda u: Cube.apply(u, 2.0).sum(), t)
+        inner.append(ops)
+        return out
+
+    torch.testing.assert_close(functx.grad(f)(x.detach()), 6 * x.detach() ** 2)
+    assert inner[0] == ["Cube", "sum.default"]
+
+
 def test_an_autograd_function_at_a_level_without_a_rule_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="Tracer levels do not support torch.autograd.Function"):
-        traced(NoVmapSupport.apply, torch.ones(2))
+    with pytest.raises(NotImplementedError, match="WithoutFunctions levels do not support torch.autograd.Function"):
+        traced(NoVmapSupport.apply, torch.ones(2), WithoutFunctions)
     assert current_stack() == ()

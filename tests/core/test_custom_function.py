@@ -12,7 +12,6 @@ import torch
 
 import functx
 from functx.core import current_stack
-from functx.core import custom_function
 from tests.autograd_functions import Cube, NumpyTanh, SignSTE
 
 D = torch.float64
@@ -22,8 +21,14 @@ def test_no_transform_is_plain_torch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a level was asked to apply a Function with no transform running")
 
-    for kind in ("vmap", "grad", "jvp"):
-        monkeypatch.setitem(custom_function._LEVEL_RULES, kind, refuse)
+    from functx.ad.direct_forward import DirectJvpLevel
+    from functx.ad.wrapped_forward import WrappedJvpLevel
+    from functx.ad.wrapped_reverse import WrappedGradLevel
+    from functx.core.interpreter import Interpreter
+    from functx.vmap.interpreter import VmapInterpreter
+
+    for kind in (Interpreter, VmapInterpreter, WrappedGradLevel, WrappedJvpLevel, DirectJvpLevel):
+        monkeypatch.setattr(kind, "apply_function", refuse)
     x = torch.randn(3, dtype=D, requires_grad=True)
     y = Cube.apply(x, 2.0)
     assert type(y.grad_fn).__name__ == "CubeBackward"
