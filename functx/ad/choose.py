@@ -11,7 +11,7 @@
   inside k >= 1: direct on vmap's physical tensors, when everything under those vmap
   levels is plain (below them only outermost direct grad levels; for `jvp` nothing: an AD
   level below would differentiate torch's forward formulas in C++, and some of those
-  cannot be differentiated right, see wrapped_forward._DECOMPOSED_WHEN_NESTED) and the
+  cannot be differentiated right, see jvp_rules._DECOMPOSED_WHEN_NESTED) and the
   inputs are real; for `jvp` only when some primal is batched there (the physical level
   copies every primal to each batch element: with shared primals and batched tangents,
   the Hessian times a matrix, that computed the primal k times, 2.2x torch.func);

@@ -10,6 +10,9 @@ dispatcher meets an op, the table resolves a handler once and caches it:
 2. a `torch._decomp` decomposition, re-dispatched (its ops come back through the levels);
 3. the transform's fallback (vmap: a per-sample loop), if it has one;
 4. a handler that raises `NotImplementedError` naming the op and the transform.
+
+A table made with `otherwise` (forward mode: torch's own formula on duals) uses
+`otherwise(op)` after the rules and templates, instead of 1c-4.
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ class RuleTable:
         transform: str,
         fallback: Callable[[Op], Rule] | None = None,
         guard: Callable[[Op, Rule], Rule] | None = None,
+        otherwise: Callable[[Op], Rule] | None = None,
     ):
         self.transform = transform
         self.rules: dict[Op, Rule] = {}
         self.fallback = fallback
+        self.otherwise = otherwise
         # `guard(op, handler)` wraps every handler but the fallback (vmap: per-sample checks)
         self.guard = guard
         self.templates: list[tuple[Callable[[Op], bool], Callable[[Op], Rule]]] = []
@@ -93,11 +98,14 @@ class RuleTable:
         return handler
 
     def how(self, op: Op) -> str:
-        """How `op` is handled: "rule", "template", "decomposition", "fallback" or "missing"."""
+        """How `op` is handled: "rule", "template", "default" (`otherwise`), "decomposition",
+        "fallback" or "missing"."""
         if op in self.rules:
             return "rule"
         if any(predicate(op) for predicate, _ in self.templates):
             return "template"
+        if self.otherwise is not None:
+            return "default"
         if _has_composite_implicit_kernel(op) or decomposition_for(op) is not None:
             return "decomposition"
         return "fallback" if self.fallback is not None else "missing"
@@ -117,6 +125,8 @@ class RuleTable:
         for predicate, factory in self.templates:
             if predicate(op):
                 return factory(op)
+        if self.otherwise is not None:
+            return self.otherwise(op)
         if _has_composite_implicit_kernel(op):
             return lambda interp, *args, **kwargs: op.decompose(*args, **kwargs)
         last_resort = self.fallback(op) if self.fallback is not None else self._missing(op)

@@ -203,7 +203,7 @@ def test_grad_of_jvp_of_jvp_of_a_norm():
     index_fill_ and F.normalize): "one of the variables needed for gradient computation has
     been modified by an inplace operation ... output 0 of MaskedFill" (torch.func too):
     torch's norm_jvp divides and masks a temporary in place. The wrapped jvp level computes
-    the 2-norm's tangent out of place (wrapped_forward._vector_norm_jvp). Plain autograd's
+    the 2-norm's tangent out of place (jvp_rules._vector_norm_jvp). Plain autograd's
     third derivative is the reference."""
     x, one = torch.randn(3, dtype=DOUBLE), torch.ones(3, dtype=DOUBLE)
 

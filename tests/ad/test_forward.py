@@ -209,7 +209,7 @@ def test_jvp_of_integer_primal_is_a_clear_error():
         jvp(lambda a: a * 2, (torch.arange(3),), (torch.arange(3),))
 
 
-# -- matrix products: only the factors with a tangent contribute (wrapped_forward._MATMUL_JVPS)
+# -- matrix products: only the factors with a tangent contribute (jvp_rules._MATMUL_JVPS)
 def _fd_jvp(f, primals, tangents, eps=1e-6):
     """Central finite difference of f along the tangents (float64)."""
     plus = f(*[p + eps * t for p, t in zip(primals, tangents)])

@@ -1912,7 +1912,7 @@ def test_regression_vjp_of_jvp_of_det():
     with each other, not with the reference, which central differences of central
     differences (eps 1e-4) confirm. Both ran torch's forward formula for det, which solves
     with the LU the op returns (no derivative), so its reverse derivative was wrong. Fixed
-    (issue 26): a wrapped jvp level factorizes A itself (wrapped_forward._det_jvp)."""
+    (issue 26): a wrapped jvp level factorizes A itself (jvp_rules._det_jvp)."""
     check(Case(Program([(3,)], [Op("linalg", kind="det")]), [T("vjp", seed=0), T("jvp", seed=0)]))
 
 
@@ -1929,7 +1929,7 @@ def test_regression_vjp_of_jvp_of_solve():
     agree with each other and differ from the reference (confirmed by central differences of
     central differences); hessian is right. The same class as det (torch's forward formulas,
     differentiated in reverse). Fixed (issue 26): a wrapped jvp level computes solve's
-    tangent by linalg.solve itself (wrapped_forward._solve_jvp), not from the returned LU."""
+    tangent by linalg.solve itself (jvp_rules._solve_jvp), not from the returned LU."""
     check(Case(Program([(3,)], [Op("linalg", kind="solve")]), [T("vjp", seed=0), T("jvp", seed=0)]))
 
 
@@ -1993,7 +1993,7 @@ def test_regression_vjp_of_jvp_of_grad_of_eigvalsh():
     torch.func gave NaN; the reference is finite and agrees with central differences of its
     outer level. torch's eigh tangent divides by the eigenvalue gaps with the diagonal's
     zeros in them and masks the result: 0 / 0 in reverse. Fixed (issue 26): a wrapped jvp
-    level's eigh tangent replaces the diagonal before dividing (wrapped_forward._eigh_jvp)."""
+    level's eigh tangent replaces the diagonal before dividing (jvp_rules._eigh_jvp)."""
     program = Program([(3,)], [Op("linalg", kind="eigvalsh")])
     check(Case(program, [T("vjp", seed=0), T("jvp", seed=0), T("grad", argnums=0, seed=0)]))
 

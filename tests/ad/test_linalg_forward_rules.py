@@ -1,4 +1,4 @@
-"""Reverse mode over forward mode through torch.linalg (functx/ad/wrapped_forward.py's
+"""Reverse mode over forward mode through torch.linalg (functx/ad/jvp_rules.py's
 explicit tangents: _det_jvp, _slogdet_jvp, _eigh_jvp, _solve_jvp).
 
 torch's forward formulas for det, slogdet and solve solve with the LU factorization the op
