@@ -103,6 +103,15 @@ def _rule_file(name: str, how: str) -> str:
     return module.rsplit(".", 1)[-1]
 
 
+def _jvp_how(name: str) -> str:
+    """How a wrapped jvp level handles the overload (`JVP_RULES.how`): rule, template, or
+    default (torch's own formula on transient duals)."""
+    from functx.ad.jvp_rules import JVP_RULES
+
+    op = _overload(name)
+    return JVP_RULES.how(op) if op is not None else ""
+
+
 def summarize(results):
     counted = [r for r in results if r["status"] != "no_samples"]
     good = [r for r in counted if r["vectorized"]]
@@ -209,15 +218,18 @@ def render(results, inplace_results, samples, seconds) -> str:
         "",
         "## Per aten overload",
         "",
-        f"{len(overloads)} aten overloads reached a vmap level during the sweep.",
+        f"{len(overloads)} aten overloads reached a vmap level during the sweep. `jvp`: how a "
+        f"wrapped jvp level handles the same overload (`JVP_RULES.how`, functx/ad/jvp_rules.py): "
+        f"its own rule, a template (views, value-free ops, in-place views) or the default "
+        f"(torch's own forward formula on duals made for that op).",
         "",
-        "| aten overload | how | rule file | reached from (op_db ops) |",
-        "|---|---|---|---|",
+        "| aten overload | how | rule file | jvp | reached from (op_db ops) |",
+        "|---|---|---|---|---|",
     ]
     for name, (how, ops) in sorted(overloads.items()):
         names = sorted(ops)
         shown = ", ".join(names[:6]) + (f", … ({len(names)} ops)" if len(names) > 6 else "")
-        lines.append(f"| `{name}` | {how} | {_rule_file(name, how)} | {_cell(shown, 300)} |")
+        lines.append(f"| `{name}` | {how} | {_rule_file(name, how)} | {_jvp_how(name)} | {_cell(shown, 300)} |")
     return "\n".join(lines) + "\n"
 
 

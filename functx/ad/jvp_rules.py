@@ -17,7 +17,7 @@ A rule is `rule(level, *args, **kwargs)` and computes one level down under `leve
 
     >>> JVP_RULES.how(torch.ops.aten.mm.default), JVP_RULES.how(torch.ops.aten.unsqueeze.default)
     ('rule', 'template')
-    >>> JVP_RULES.how(torch.ops.aten.sin.default)
+    >>> JVP_RULES.how(torch.ops.aten.atan.default)
     'default'
 """
 
@@ -106,16 +106,18 @@ def _added_product_jvp(product):
 
 
 def _plain_operands(level, tensors):
-    """`(values, tangents)` when every tensor is this level's `DualTensor` over a plain value
-    or a plain tensor, and no AD level lies below; else None."""
-    if level.nested:
+    """`(values, tangents)` when every tensor is this level's `DualTensor` or a tensor of a
+    level below (a constant here: no tangent); else None. Not over a jvp on values (its
+    tangents must stay off this level's calls: core/dual_values.py), nor where the jvp was
+    called with forward AD off (what this level computes is then invisible below)."""
+    if level.over_dual_values or not level.prev_fwd_grad_mode:
         return None
     values, tangents = [], []
     for t in tensors:
-        if type(t) is DualTensor and t._interp is level and not isinstance(t._value, LevelTensor):
+        if type(t) is DualTensor and t._interp is level:
             values.append(t._value)
             tangents.append(t._tangent if t._tangent is not None else tangent_of(t))
-        elif isinstance(t, torch.Tensor) and not isinstance(t, LevelTensor):
+        elif isinstance(t, torch.Tensor) and not (isinstance(t, LevelTensor) and t._interp.level > level.level):
             values.append(t)
             tangents.append(None)
         else:
@@ -352,9 +354,12 @@ def is_out_of_place(op) -> bool:
     return mutated_argument(op) is None and torch.Tag.inplace_view not in op.tags and not _writes_out_argument(op)
 
 
+_TAKES_DIMS = frozenset((*_EXPLICIT_JVPS, aten.sum.dim_IntList, aten.mean.dim))
+
+
 def operands(level, op, args, kwargs):
     """`(values, tangents or None, plain)` of an out-of-place op whose tensors of `level` are
-    positional arguments (lists only of non-tensors, and only for an op of `_EXPLICIT_JVPS`:
+    positional arguments (lists only of non-tensors, and only for an op of `_TAKES_DIMS`:
     their dims), in one pass: its arguments one level down, the tangents of `level`'s, and
     whether every value is a plain tensor. `GENERAL` for anything else."""
     values = list(args)
@@ -377,8 +382,8 @@ def operands(level, op, args, kwargs):
             if plain and isinstance(value, LevelTensor):
                 plain = False
         elif type(a) is list or type(a) is tuple:
-            if op not in _EXPLICIT_JVPS or any(isinstance(e, torch.Tensor) for e in a):
-                return GENERAL  # (an explicit jvp takes a list of dims)
+            if op not in _TAKES_DIMS or any(isinstance(e, torch.Tensor) for e in a):
+                return GENERAL  # (a rule that takes a list of dims)
         elif plain and isinstance(a, LevelTensor):
             plain = False
     if kwargs:
@@ -431,6 +436,11 @@ def _default(op):
 
 JVP_RULES = RuleTable("jvp", otherwise=_default)
 """Forward-mode rules of a wrapped jvp level: `@JVP_RULES.register(aten.op.overload)`."""
+
+
+VIEWS_TAKING_LISTS = frozenset((aten.view.default, aten.permute.default, aten.split_with_sizes.default, aten.squeeze.dims))
+"""View ops whose list arguments (a shape, dims, sizes) cannot make a view's elements share
+memory: the linear template takes them with their lists (`WrappedJvpLevel.view`)."""
 
 
 def _linear_template(op):
@@ -526,9 +536,139 @@ def _decomposed_when_nested(op, decomposition):
     return rule
 
 
+# -- elementwise ops: tangents by ops that re-dispatch ---------------------------------------
+# torch's formula on transient duals costs, per op, a dual per tangent (`_make_dual`, whose
+# layout checks dispatch to the tangent's levels: two per tangent batched by jacfwd) and,
+# under another AD level, a carrier per argument whose own ops come back to this level (a
+# tanh under jvp(jvp) was six dispatches here). These are torch's own forward formulas
+# (derivatives.yaml), written with ops that re-dispatch, so every level below sees them as
+# it sees any op; real floating operands only (complex ones conjugate: torch's), tangents
+# of their primal's dtype. A tangent is never an argument's own object (an in-place write
+# into the result's tangent would reach it).
+def _tangents_like_values(values, tangents, kwargs) -> bool:
+    """Every tensor operand real floating, every tangent of its primal's dtype, no kwargs but
+    a Scalar `alpha` (add/sub)."""
+    for v, t in zip(values, tangents):
+        if isinstance(v, torch.Tensor):
+            if not v.is_floating_point() or t is not None and t.dtype != v.dtype:
+                return False
+        elif isinstance(v, complex):
+            return False
+    return not kwargs or kwargs.keys() == {"alpha"} and not isinstance(kwargs["alpha"], complex)
+
+
+def _same_shape_and_dtype(values, tangents, kwargs) -> bool:
+    """`_tangents_like_values`, and every tensor operand of one shape and dtype (no
+    broadcasting, no promotion: the sum of the tangents is laid out as the result)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    first = tensors[0]
+    return _tangents_like_values(values, tangents, kwargs) and all(
+        v.shape == first.shape and v.dtype == first.dtype for v in tensors[1:]
+    )
+
+
+def _unary(formula):
+    """`formula(t, x, out)`, the tangent of a one-argument op."""
+    return lambda out, values, tangents, kwargs: formula(tangents[0], values[0], out)
+
+
+def _sum_of_terms(*terms):
+    """The tangent Σ term_i(t_i, values, out) over the arguments that carry one."""
+
+    def jvp(out, values, tangents, kwargs):
+        tangent = None
+        for term, t in zip(terms, tangents):
+            if t is not None:
+                part = term(t, values, out, kwargs)
+                tangent = part if tangent is None else tangent + part
+        return tangent
+
+    return jvp
+
+
+_LINEAR = object()  # (in `_ELEMENTWISE`: the op is linear in its first argument)
+
+
+def _linear_in_first(op):
+    """The tangent of an op linear in its first argument: the op of the tangent."""
+    return lambda out, values, tangents, kwargs: op(tangents[0], *values[1:], **kwargs)
+
+
+def _scaled(t, alpha):
+    return t * alpha if alpha != 1 else t.clone()
+
+
+_ELEMENTWISE = {
+    aten.tanh.default: (_unary(lambda t, x, out: aten.tanh_backward(t, out)), _tangents_like_values),
+    aten.sigmoid.default: (_unary(lambda t, x, out: aten.sigmoid_backward(t, out)), _tangents_like_values),
+    aten.exp.default: (_unary(lambda t, x, out: t * out), _tangents_like_values),
+    aten.log.default: (_unary(lambda t, x, out: t / x), _tangents_like_values),
+    aten.sin.default: (_unary(lambda t, x, out: t * x.cos()), _tangents_like_values),
+    aten.cos.default: (_unary(lambda t, x, out: t * -x.sin()), _tangents_like_values),
+    aten.neg.default: (_unary(lambda t, x, out: -t), _tangents_like_values),
+    aten.relu.default: (_unary(lambda t, x, out: aten.threshold_backward(t, out, 0)), _tangents_like_values),
+    aten.sqrt.default: (_unary(lambda t, x, out: t / (2 * out)), _tangents_like_values),
+    aten.rsqrt.default: (_unary(lambda t, x, out: -0.5 * t * out.pow(3)), _tangents_like_values),
+    aten.reciprocal.default: (_unary(lambda t, x, out: -t * out * out), _tangents_like_values),
+    # (grad_output, output): d = tanh_backward(dg, y) - 2 g y dy
+    aten.tanh_backward.default: (
+        _sum_of_terms(
+            lambda t, v, out, kw: aten.tanh_backward(t, v[1]),
+            lambda t, v, out, kw: t * (-2 * v[1] * v[0]),
+        ),
+        _tangents_like_values,
+    ),
+    # (grad_output, output): d = sigmoid_backward(dg, y) + dy g (1 - 2 y)
+    aten.sigmoid_backward.default: (
+        _sum_of_terms(
+            lambda t, v, out, kw: aten.sigmoid_backward(t, v[1]),
+            lambda t, v, out, kw: t * v[0] * (1 - 2 * v[1]),
+        ),
+        _tangents_like_values,
+    ),
+    # (grad_output, self, threshold): the mask does not move
+    aten.threshold_backward.default: (
+        _sum_of_terms(lambda t, v, out, kw: aten.threshold_backward(t, v[1], v[2])),
+        _tangents_like_values,
+    ),
+    aten.mul.Tensor: (
+        _sum_of_terms(lambda t, v, out, kw: t * v[1], lambda t, v, out, kw: v[0] * t),
+        _tangents_like_values,
+    ),
+    aten.div.Tensor: (
+        _sum_of_terms(lambda t, v, out, kw: t / v[1], lambda t, v, out, kw: -t * out / v[1]),
+        _tangents_like_values,
+    ),
+    aten.add.Tensor: (
+        _sum_of_terms(lambda t, v, out, kw: t.clone(), lambda t, v, out, kw: _scaled(t, kw.get("alpha", 1))),
+        _same_shape_and_dtype,
+    ),
+    aten.sub.Tensor: (
+        _sum_of_terms(lambda t, v, out, kw: t.clone(), lambda t, v, out, kw: _scaled(t, -kw.get("alpha", 1))),
+        _same_shape_and_dtype,
+    ),
+    # (self, exponent): torch's pow_backward, for a real nonzero exponent (0: torch's zeros)
+    aten.pow.Tensor_Scalar: (
+        _sum_of_terms(lambda t, v, out, kw: t * (v[1] * v[0].pow(v[1] - 1))),
+        lambda values, tangents, kwargs: _tangents_like_values(values, tangents, kwargs)
+        and type(values[1]) in (int, float)
+        and values[1] != 0,
+    ),
+    # linear: the same reduction of the tangent (no `dtype=`: torch's dtype handling)
+    aten.sum.default: (_LINEAR, _tangents_like_values),
+    aten.sum.dim_IntList: (_LINEAR, _tangents_like_values),
+    aten.mean.default: (_LINEAR, _tangents_like_values),
+    aten.mean.dim: (_LINEAR, _tangents_like_values),
+    aten.mul.Scalar: (_sum_of_terms(lambda t, v, out, kw: t * v[1]), _tangents_like_values),
+    aten.div.Scalar: (_sum_of_terms(lambda t, v, out, kw: t / v[1]), _tangents_like_values),
+}
+"""op -> (jvp(out, values, tangents, kwargs), accepts(values, tangents, kwargs))."""
+
+
 for _op in _VALUE_FREE:
     JVP_RULES.set(_op, _zero(_op))
-
+for _op, (_jvp, _accepts) in _ELEMENTWISE.items():
+    JVP_RULES.set(_op, _own(_op, _linear_in_first(_op) if _jvp is _LINEAR else _jvp, _accepts))
 for _op, _jvp in _MATMUL_JVPS.items():
     JVP_RULES.set(_op, _own(_op, _jvp))
 JVP_RULES.set(aten._linalg_solve_ex.default, _own(aten._linalg_solve_ex.default, _solve_jvp))  # both tangents

@@ -79,7 +79,7 @@ from .dual_tensor import (
     view_like,
     views_tracked,
 )
-from .jvp_rules import GENERAL, JVP_RULES, TORCH_FUNCTION_RULES
+from .jvp_rules import GENERAL, JVP_RULES, TORCH_FUNCTION_RULES, VIEWS_TAKING_LISTS
 from .level import AT_THIS_LEVEL, ADLevel, WrappedLevel
 from .lifting import raise_captured_write
 
@@ -340,15 +340,19 @@ class WrappedJvpLevel(WrappedLevel):
         if type(x) is not DualTensor or x._interp is not self:
             return GENERAL
         for a in args[1:]:
-            # Any list argument (a view's shape too) takes the general path: there a view's
-            # tangent is laid out for in-place writes through it (an `expand`ed tangent shared
-            # by a clone that is then written into cannot take the write: fuzzer regression).
-            if isinstance(a, torch.Tensor) or type(a) is list or type(a) is tuple:
+            # A list argument (a view's shape) takes the general path but for the views of a
+            # tangent laid out like its primal that cannot make elements share memory
+            # (`VIEWS_TAKING_LISTS`): there a view's tangent is laid out for in-place writes
+            # through it (an `expand`ed tangent shared by a clone that is then written into
+            # cannot take the write: fuzzer regression).
+            if isinstance(a, torch.Tensor) or (type(a) is list or type(a) is tuple) and op not in VIEWS_TAKING_LISTS:
                 return GENERAL
         tangent = x._tangent
         if tangent is None:
             tangent = tangent_of(x)
         value = x._value
+        if tangent is not None and op in VIEWS_TAKING_LISTS and tangent.stride() != value.stride():
+            return GENERAL  # (`view` may not apply to a tangent laid out otherwise)
         with self.lower():
             if op is _view_as_real and value.is_conj():
                 # The wrapper of a lazily conjugated value does not carry the conj bit itself,

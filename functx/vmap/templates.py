@@ -11,7 +11,6 @@ The templates:
 - `batch_all_rule(op, ...)`: ops that act on each batch element independently once every
   tensor argument has the batch dim in front (reductions, scans, softmax, sort, gather,
   linear algebra, ...); dimension arguments named in the schema are shifted by one;
-- `fold_batch_rule(op)`: NN ops with a leading sample dim N: fold (B, N) into B*N.
 """
 
 from __future__ import annotations
@@ -30,11 +29,6 @@ Tensor = torch.Tensor
 
 
 # -- small helpers shared by rules ----------------------------------------------------
-def logical_rank(x) -> int:
-    """Rank user code sees (for a BatchedTensor, the wrapper's own rank)."""
-    return x.dim()
-
-
 def normalize_dim(dim: int, rank: int, op=None) -> int:
     """Wrap a possibly negative logical dim into [0, rank) (rank 0 accepts 0 and -1)."""
     bound = max(rank, 1)
@@ -44,11 +38,6 @@ def normalize_dim(dim: int, rank: int, op=None) -> int:
             f"Dimension out of range (expected to be in range of [{-bound}, {bound - 1}], but got {dim}){where}"
         )
     return dim + bound if dim < 0 else dim
-
-
-def physical_dim(dim: int, rank: int, op=None) -> int:
-    """Physical position of logical `dim` in a value whose batch dim is 0."""
-    return normalize_dim(dim, rank, op) + 1
 
 
 def materialize(interp, x):
@@ -471,34 +460,3 @@ def _wrap_batch_all(interp, out, scalar_shapes, keep_rank):
     if type(out) is tuple or type(out) is list:
         return type(out)(([fix(e) for e in o] if type(o) is list else fix(o)) for o in out)
     return out
-
-
-# -- fold the batch into the sample dim (NN ops with a leading N) ----------------------
-def fold_batch_rule(op, *, feature_rank):
-    """Rule for NN ops whose first argument is (N, *features) or unbatched (*features),
-    with `feature_rank` feature dims, and whose other tensor arguments are unbatched
-    (weights). The batch dim B becomes (part of) N: one call, no loop."""
-
-    def rule(interp, *args, **kwargs):
-        for a in (*args[1:], *kwargs.values()):
-            if interp.is_batched(a):
-                from .fallback import loop_fallback
-
-                return loop_fallback(op)(interp, *args, **kwargs)
-        value = args[0]._value
-        if args[0].dim() == feature_rank:  # logical input has no N: B plays N
-            return interp.wrap_all(op(value, *args[1:], **kwargs))
-        batch, n = value.shape[0], value.shape[1]
-        out = op(value.flatten(0, 1), *args[1:], **kwargs)
-
-        def unfold(t):
-            if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch * n:
-                return interp.wrap(t.unflatten(0, (batch, n)))
-            return t
-
-        if isinstance(out, Tensor):
-            return unfold(out)
-        return type(out)(unfold(o) for o in out)
-
-    rule.__name__ = f"fold_batch_{op.__name__}"
-    return rule
