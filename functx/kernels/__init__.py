@@ -6,6 +6,6 @@ the B copies of its parameter gradient that `vmap(grad)` makes. `functx.dp` buil
 DP-SGD step on them.
 """
 
-from .per_sample import LayerGradients, layer_gradients
+from .per_sample import LayerGradients, layer_gradients, register_layer_gradients
 
-__all__ = ["LayerGradients", "layer_gradients"]
+__all__ = ["LayerGradients", "layer_gradients", "register_layer_gradients"]

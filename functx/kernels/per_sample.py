@@ -28,7 +28,8 @@ Per layer type:
 - LayerNorm / GroupNorm affine parameters: the per-sample gradients are small (B × C),
   computed directly from the normalised input.
 - Any other layer: materialised, functx's `vmap` of `grad` of ⟨output, output gradient⟩
-  (the layer's vjp; correct for any layer that treats dim 0 as the batch).
+  (the layer's vjp; correct for any layer that treats dim 0 as the batch), unless a kernel
+  is registered for its type (`register_layer_gradients`, open to users' layer types).
 
     >>> import torch, functx
     >>> from functx.kernels import layer_gradients
@@ -293,11 +294,53 @@ class MaterializedGradients(LayerGradients):
             return vmap(one, in_dims=in_dims)(grad_output, *(self.args[i].detach() for i in tensors))
 
 
+_KERNELS: dict = {}  # layer type -> kernel(module, args, grad_output, kwargs) -> LayerGradients | None
+
+
+def register_layer_gradients(layer_type: type, kernel=None):
+    """Make `kernel` the per-sample gradients of layers of exactly `layer_type` (the habit of
+    Opacus's `register_grad_sampler`): `kernel(module, args, grad_output, kwargs)` returns a
+    `LayerGradients`, or None where it does not apply to this call (then the layer's
+    gradients are materialised). A `LayerGradients` subclass is a kernel itself. Replaces
+    what was registered for the type before (functx's own kernels too). As a decorator:
+    `@register_layer_gradients(MyLayer)`.
+
+    Example:
+        >>> import torch
+        >>> from functx.kernels import LayerGradients, layer_gradients, register_layer_gradients
+        >>> class Scale(torch.nn.Module):  # y = w * x, elementwise
+        ...     def __init__(self, n):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.ones(n))
+        ...     def forward(self, x):
+        ...         return self.weight * x
+        >>> @register_layer_gradients(Scale)
+        ... class ScaleGradients(LayerGradients):
+        ...     def _per_sample(self):  # sample b's gradient: g_b * x_b
+        ...         return {"weight": self.grad_output * self.args[0]}
+        >>> x, g = torch.randn(4, 3), torch.randn(4, 3)
+        >>> grads = layer_gradients(Scale(3), (x,), g)
+        >>> type(grads).__name__, torch.allclose(grads.norms_sq(), (g * x).pow(2).sum(1))
+        ('ScaleGradients', True)
+    """
+    if not isinstance(layer_type, type):
+        raise TypeError(f"register_layer_gradients: expected a layer type (a class), got {layer_type!r}")
+
+    def register(kernel):
+        if not callable(kernel):
+            raise TypeError(f"register_layer_gradients({layer_type.__name__}): the kernel must be callable, got {kernel!r}")
+        _KERNELS[layer_type] = kernel
+        return kernel
+
+    return register if kernel is None else register(kernel)
+
+
 def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None) -> LayerGradients:
     """The per-sample gradients of `module`'s trainable parameters in one call (positional
     inputs `args`, batch first; keyword inputs `kwargs`, shared; `grad_output` the gradient
-    of the summed per-sample losses with respect to the call's output), by the layer's
-    kernel, or materialised for a layer without one.
+    of the summed per-sample losses with respect to the call's output), by the kernel
+    registered for the layer's type (`register_layer_gradients`), or materialised for a
+    layer without one.
 
     Example:
         >>> import torch
@@ -310,20 +353,49 @@ def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | 
         >>> torch.allclose(total["weight"], g.T @ a), torch.allclose(total["bias"], g.sum(0))
         (True, True)
     """
-    plain = isinstance(grad_output, Tensor) and not kwargs and len(args) == 1
-    if plain and type(module) is nn.Linear:
-        return LinearGradients(module, args, grad_output)
-    if plain and type(module) is nn.Embedding and not module.scale_grad_by_freq and module.max_norm is None:
-        return EmbeddingGradients(module, args, grad_output)
-    if plain and type(module) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and _zero_padded(module):
-        positions = grad_output[0, 0].numel()
-        if type(module) is not nn.Conv3d and module.groups == 1 and 2 * positions * positions < module.weight.numel():
-            return ConvGradients(module, args, grad_output)  # the ghost norm is cheaper
-        # materialised (grouped convolution or unfold, by the operator's measured rule)
-        return GroupedConvGradients(module, args, grad_output)
-    if plain and type(module) in (nn.LayerNorm, nn.GroupNorm):
-        return NormAffineGradients(module, args, grad_output)
+    kernel = _KERNELS.get(type(module))
+    if kernel is not None:
+        grads = kernel(module, args, grad_output, kwargs)
+        if grads is not None:
+            return grads
     return MaterializedGradients(module, args, grad_output, kwargs)
+
+
+# -- functx's own kernels: one call's input and output gradient only (no keyword inputs) ------
+def _plain(args, grad_output, kwargs) -> bool:
+    return isinstance(grad_output, Tensor) and not kwargs and len(args) == 1
+
+
+@register_layer_gradients(nn.Linear)
+def _linear(module, args, grad_output, kwargs):
+    return LinearGradients(module, args, grad_output) if _plain(args, grad_output, kwargs) else None
+
+
+@register_layer_gradients(nn.Embedding)
+def _embedding(module, args, grad_output, kwargs):
+    if _plain(args, grad_output, kwargs) and not module.scale_grad_by_freq and module.max_norm is None:
+        return EmbeddingGradients(module, args, grad_output)
+    return None
+
+
+def _convolution(module, args, grad_output, kwargs):
+    if not (_plain(args, grad_output, kwargs) and _zero_padded(module)):
+        return None
+    positions = grad_output[0, 0].numel()
+    if type(module) is not nn.Conv3d and module.groups == 1 and 2 * positions * positions < module.weight.numel():
+        return ConvGradients(module, args, grad_output)  # the ghost norm is cheaper
+    # materialised (grouped convolution or unfold, by the operator's measured rule)
+    return GroupedConvGradients(module, args, grad_output)
+
+
+def _norm_affine(module, args, grad_output, kwargs):
+    return NormAffineGradients(module, args, grad_output) if _plain(args, grad_output, kwargs) else None
+
+
+for _conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register_layer_gradients(_conv, _convolution)
+for _norm in (nn.LayerNorm, nn.GroupNorm):
+    register_layer_gradients(_norm, _norm_affine)
 
 
 def _zero_padded(conv) -> bool:

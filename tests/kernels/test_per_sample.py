@@ -173,3 +173,87 @@ def test_frozen_parameters_are_left_out():
     kernel = layer_gradients(layer, (a,), g)
     assert list(kernel.per_sample()) == ["weight"] and list(kernel.weighted_sum(torch.ones(4, dtype=DT))) == ["weight"]
     torch.testing.assert_close(kernel.norms_sq(), g.pow(2).sum(1) * a.pow(2).sum(1))
+
+
+# -- the registry: users' layer types, and a kernel that declines a call ---------------------------
+class _Scale(nn.Module):
+    """y = weight ⊙ x (per feature): sample b's weight gradient is g_b ⊙ x_b."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, dtype=DT))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+class _ScaleGradients(per_sample.LayerGradients):
+    made = 0
+
+    def _per_sample(self):
+        _ScaleGradients.made += 1
+        return {"weight": self.grad_output * self.args[0]}
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    monkeypatch.setattr(per_sample, "_KERNELS", dict(per_sample._KERNELS))
+    return per_sample._KERNELS
+
+
+def test_a_registered_kernel_serves_its_layer_type_in_clipped_grad(registry):
+    import functx.dp as dp
+    from functx.kernels import register_layer_gradients
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3).to(DT), _Scale(3))
+    x, y = torch.randn(6, 4, dtype=DT), torch.randn(6, 3, dtype=DT)
+    loss_fn = lambda out, target: (out - target).pow(2).sum(1)
+    materialised, norms_m = dp.clipped_grad(model, loss_fn, x, y, max_norm=0.5)
+    assert register_layer_gradients(_Scale)(_ScaleGradients) is _ScaleGradients  # (decorator form)
+    _ScaleGradients.made = 0
+    kernel, norms_k = dp.clipped_grad(model, loss_fn, x, y, max_norm=0.5)
+    assert _ScaleGradients.made == 1
+    torch.testing.assert_close(norms_k, norms_m)
+    for name in materialised:
+        torch.testing.assert_close(kernel[name], materialised[name], msg=name)
+    # the reference: per-sample gradients of the whole model by plain autograd, clipped and summed
+    per = [torch.autograd.grad(loss_fn(model(x[b : b + 1]), y[b : b + 1]).sum(), list(model.parameters())) for b in range(6)]
+    norms = torch.stack([torch.sqrt(sum(g.pow(2).sum() for g in gs)) for gs in per])
+    torch.testing.assert_close(norms_k, norms)
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1)
+    for i, name in enumerate(dict(model.named_parameters())):
+        torch.testing.assert_close(kernel[name], sum(f * gs[i] for f, gs in zip(factors, per)), msg=name)
+
+
+def test_a_kernel_that_declines_leaves_the_layer_materialised(registry):
+    from functx.kernels import register_layer_gradients
+
+    register_layer_gradients(nn.Linear, lambda module, args, grad_output, kwargs: None)
+    layer = nn.Linear(3, 2).to(DT)
+    a, g = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    assert type(layer_gradients(layer, (a,), g)).__name__ == "MaterializedGradients"
+    check(layer, a, g, torch.rand(4, dtype=DT))
+
+
+def test_functx_kernels_are_registered_for_exact_types():
+    layer = nn.Linear(3, 2).to(DT)
+    a, g = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    assert type(layer_gradients(layer, (a,), g)).__name__ == "LinearGradients"
+
+    class MyLinear(nn.Linear):  # a subclass may change forward: materialised unless registered
+        pass
+
+    mine = MyLinear(3, 2).to(DT)
+    assert type(layer_gradients(mine, (a,), g)).__name__ == "MaterializedGradients"
+
+
+@pytest.mark.parametrize("bad", [nn.Linear(2, 2), "Linear"])
+def test_register_refuses_what_is_not_a_type_or_a_kernel(bad, registry):
+    from functx.kernels import register_layer_gradients
+
+    with pytest.raises(TypeError, match="register_layer_gradients"):
+        register_layer_gradients(bad, _ScaleGradients)
+    with pytest.raises(TypeError, match="must be callable"):
+        register_layer_gradients(nn.Linear, 3)
+    assert registry[nn.Linear].__name__ == "_linear"
