@@ -27,7 +27,8 @@ import torch
 import torch._decomp
 
 from ..core.forward_ad_state import user_forward_ad
-from ..core.level_tensor import LevelTensor, mutated_argument
+from ..core.level_tensor import LevelTensor
+from ..core.op_facts import is_inplace_view, is_view_of_first, mutated_argument, writes_out
 from ..core.rules import RuleTable
 from .dual_tensor import DualTensor, tangent_of
 
@@ -331,27 +332,11 @@ _EXPLICIT_JVPS = {
 }
 
 
-def is_view_op(op) -> bool:
-    """One tensor (or one list of tensors: `split`, `unbind`) returned, aliases of the first
-    argument that it does not write."""
-    if op is aten.detach.default:  # aliases, but drops the tangent
-        return False
-    schema = op._schema
-    if len(schema.returns) != 1 or not schema.arguments:
-        return False
-    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
-    return out is not None and not out.is_write and first is not None and not first.is_write
-
-
 
 # -- the table --------------------------------------------------------------------------------
-def _writes_out_argument(op) -> bool:
-    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-
-
 def is_out_of_place(op) -> bool:
     """Writes none of its arguments (in place, through an in-place view op, or `out=`)."""
-    return mutated_argument(op) is None and torch.Tag.inplace_view not in op.tags and not _writes_out_argument(op)
+    return mutated_argument(op) is None and not is_inplace_view(op) and not writes_out(op)
 
 
 _TAKES_DIMS = frozenset((*_EXPLICIT_JVPS, aten.sum.dim_IntList, aten.mean.dim))
@@ -461,8 +446,8 @@ def _inplace_view_template(op):
     return rule
 
 
-JVP_RULES.add_template(lambda op: is_out_of_place(op) and is_view_op(op), _linear_template)
-JVP_RULES.add_template(lambda op: torch.Tag.inplace_view in op.tags, _inplace_view_template)
+JVP_RULES.add_template(lambda op: is_out_of_place(op) and is_view_of_first(op), _linear_template)
+JVP_RULES.add_template(is_inplace_view, _inplace_view_template)
 
 
 def _zero(op):

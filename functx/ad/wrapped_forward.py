@@ -59,11 +59,11 @@ from ..core.forward_ad_state import user_forward_ad
 from ..core.interpreter import EnteredTogether, current_stack
 from ..core.level_tensor import (
     LevelTensor,
-    mutated_argument,
     promote_for_write,
     refresh_views,
     replay_inplace_view,
 )
+from ..core.op_facts import is_inplace_view, mutated_argument, writes_out
 from .custom_function import apply_at_jvp_level
 from .dual_tensor import (
     LIST_MARK,
@@ -130,8 +130,7 @@ def _op_kind(op):
     """(index of the argument an in-place op writes or None, in-place view op?, out= op?)."""
     kind = _op_kinds.get(op)
     if kind is None:
-        writes_out = any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-        kind = _op_kinds[op] = (mutated_argument(op), torch.Tag.inplace_view in op.tags, writes_out)
+        kind = _op_kinds[op] = (mutated_argument(op), is_inplace_view(op), writes_out(op))
     return kind
 
 

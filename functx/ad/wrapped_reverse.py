@@ -36,6 +36,7 @@ from ..core.level_tensor import (
 )
 from ..vmap.batched_tensor import wrapper_requires_grad
 from ..vmap.interpreter import VmapInterpreter
+from ..core.op_facts import is_inplace_view
 from .custom_function import apply_at_grad_level
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
@@ -213,7 +214,7 @@ class WrappedGradLevel(WrappedLevel):
 
     def _wrap_result(self, op, args, mutated, out):
         if mutated is not None:  # in-place: the value changed under the same wrapper
-            if torch.Tag.inplace_view in op.tags:
+            if is_inplace_view(op):
                 replay_inplace_view(op, args, {})
             return args[mutated]
         if isinstance(out, torch.Tensor):

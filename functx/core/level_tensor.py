@@ -18,6 +18,7 @@ import torch.utils._mode_utils
 from .errors import op_name
 from .forward_ad_state import at_wrappers, down_state
 from .interpreter import current_stack
+from .op_facts import mutated_argument
 from .patches import way_in
 
 
@@ -312,27 +313,6 @@ def _dispatch_with_dead_levels(op, args, kwargs):
     return out
 
 
-_mutated_cache: dict = {}
-
-
-def mutated_argument(op):
-    """Index of the argument an in-place op writes and returns (its `self`), or None."""
-    try:
-        return _mutated_cache[op]
-    except KeyError:
-        pass
-    index = None
-    schema = op._schema
-    returns = schema.returns
-    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write and not argument.kwarg_only:
-                index = i
-                break
-    _mutated_cache[op] = index
-    return index
-
-
 def replay_inplace_view(op, args, kwargs):
     """After an in-place view op (`squeeze_`, `unsqueeze_`, `transpose_`, `as_strided_`)
     changed a wrapper's inner value, change the wrapper's own sizes and strides to match:
@@ -360,4 +340,4 @@ def level_of(x) -> int:
     return x._interp.level if isinstance(x, LevelTensor) else 0
 
 
-__all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "refresh_views", "wrapper_like", "mutated_argument", "op_name", "replay_inplace_view", "unwrap_dead"]
+__all__ = ["LevelTensor", "debug_unwrap", "is_physical", "is_user_detach", "level_of", "promote_for_write", "refresh_views", "wrapper_like", "op_name", "replay_inplace_view", "unwrap_dead"]

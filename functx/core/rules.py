@@ -24,6 +24,7 @@ import torch._decomp
 
 from .errors import op_name
 from .level_tensor import replay_inplace_view
+from .op_facts import is_inplace_view
 
 _decompositions = torch._decomp.decomposition_table
 
@@ -114,7 +115,7 @@ class RuleTable:
         handler = self._resolve_rule(op)
         if self.guard is not None and self.how(op) != "fallback":
             handler = self.guard(op, handler)
-        if torch.Tag.inplace_view in op.tags:
+        if is_inplace_view(op):
             return _fixing_wrapper_metadata(op, handler)
         return handler
 

@@ -28,7 +28,7 @@ from ..core.interpreter import Interpreter, top_interpreter
 from ..core.level_tensor import LevelTensor, replay_inplace_view, wrapper_like
 from .rules import rule_for
 from .scalars import has_numbers, rewrite_numbers
-from .schema import is_view, writes_of
+from ..core.op_facts import is_inplace_view, is_view, writes_of
 
 _restore_outside = torch._C._RestorePythonTLSSnapshot
 _to_functional = torch._to_functional_tensor
@@ -43,7 +43,6 @@ _Key = torch._C.DispatchKey
 _BELOW_AUTOGRAD = (
     torch._C._after_ADInplaceOrView_keyset.remove(_Key.Conjugate).remove(_Key.Negative).remove(_Key.ZeroTensor)
 )
-_INPLACE_VIEW = torch.Tag.inplace_view
 _AS_STRIDED = torch.ops.aten.as_strided.default
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
@@ -187,7 +186,7 @@ class FunctionalizeInterpreter(Interpreter):
             if not self.reapply_views and _relaid_in(args, kwargs):
                 return self._wrap_laid_out(out, _on_meta(op, args, kwargs))
             return self._wrap_all(out)
-        if _INPLACE_VIEW in op.tags:  # transpose_, squeeze_, as_strided_ ...: the wrapper's own shape changes
+        if is_inplace_view(op):  # transpose_, squeeze_, as_strided_ ...: the wrapper's own shape changes
             replay_inplace_view(op, args, kwargs)
         for target in writes.targets(args, kwargs):
             _check_layout(target)

@@ -13,13 +13,9 @@ import torch
 
 from ..core import config
 from ..core.errors import PerformanceWarning, op_name, raise_unbatched_inplace
+from ..core.op_facts import returns_view, writes_argument, writes_out
 
 _warned: set = set()
-
-
-def _is_write(argument) -> bool:
-    info = argument.alias_info
-    return info is not None and info.is_write
 
 
 def loop_fallback(op, warning=None):
@@ -31,9 +27,9 @@ def loop_fallback(op, warning=None):
         f"functx.vmap: there is no batching rule for {name}; running it once per "
         f"batch element, which is slow. Please file an issue naming this op."
     )
-    mutated = [i for i, a in enumerate(schema.arguments) if _is_write(a) and not a.kwarg_only]
-    writes_out = any(_is_write(a) and a.kwarg_only for a in schema.arguments)
-    returns_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    mutated = [i for i, a in enumerate(schema.arguments) if writes_argument(a) and not a.kwarg_only]
+    writes_out_argument = writes_out(op)
+    view = returns_view(op)
 
     def refuse(reason):
         raise NotImplementedError(
@@ -49,9 +45,9 @@ def loop_fallback(op, warning=None):
                 f"functx.vmap: there is no batching rule for {name} and the per-sample "
                 f"fallback is switched off (functx.set_vmap_fallback('error'))."
             )
-        if writes_out:
+        if writes_out_argument:
             refuse("it writes into out= arguments")
-        if returns_view:
+        if view:
             refuse("it returns a view")
         if config.fallback == "warn" and op not in _warned:
             _warned.add(op)

@@ -22,7 +22,8 @@ from ..core.dual_values import one_level_down_over_dual_values
 from ..core.errors import DeadLevelError
 from ..core.forward_ad_state import user_forward_ad
 from ..core.interpreter import EnteredTogether, Interpreter
-from ..core.level_tensor import LevelTensor, mutated_argument, promote_for_write, refresh_views
+from ..core.level_tensor import LevelTensor, promote_for_write, refresh_views
+from ..core.op_facts import mutated_argument
 from .batched_tensor import RULES_USING_AUTOGRAD, SPECIAL_RULES, VMAP_RULES, BatchedTensor
 from .chain import peel
 from .custom_function import apply_at_vmap_level

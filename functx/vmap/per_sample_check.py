@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.errors import op_name
-from ..core.level_tensor import mutated_argument
+from ..core.op_facts import mutated_argument
 
 Tensor = torch.Tensor
 _META = torch.device("meta")

@@ -22,6 +22,7 @@ import torch._prims  # noqa: F401  (is_elementwise_prim reads its factories)
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..core.errors import op_name, raise_unbatched_inplace  # noqa: F401  (rules import it from here)
+from ..core.op_facts import is_inplace_view, writes_argument
 from .batched_tensor import BatchedTensor
 from .per_sample_check import meta_like
 
@@ -55,11 +56,6 @@ def pad_to_rank(value: Tensor, logical: int, rank: int) -> Tensor:
     return value.view(shape[0], *((1,) * (rank - logical)), *shape[1:])
 
 
-def _is_write(argument) -> bool:
-    info = argument.alias_info
-    return info is not None and info.is_write
-
-
 def _argument_types(op):
     return [(a.name, str(a.type)) for a in op._schema.arguments]
 
@@ -88,7 +84,7 @@ def is_inplace_with_functional(table):
     with a rule or template."""
 
     def predicate(op):
-        if torch.Tag.inplace not in op.tags or torch.Tag.inplace_view in op.tags:
+        if torch.Tag.inplace not in op.tags or is_inplace_view(op):
             return False
         functional = _functional_counterpart(op)
         return functional is not None and table.how(functional) in ("rule", "template")
@@ -179,7 +175,7 @@ def pointwise_rule(op):
     """Rule for a broadcasting elementwise op: pad batched values to the common logical
     rank (batch dim stays in front, unbatched tensors broadcast from the right), run once."""
     schema = op._schema
-    inplace = bool(schema.arguments) and _is_write(schema.arguments[0]) and not schema.arguments[0].kwarg_only
+    inplace = bool(schema.arguments) and writes_argument(schema.arguments[0]) and not schema.arguments[0].kwarg_only
     if _is_unary(schema):
         return _unary_pointwise_rule(op, inplace)
 
@@ -342,7 +338,7 @@ def batch_all_rule(op, *, rank_of=0, rank_offset=0, empty_means_all=None):
     if empty_means_all is None:
         empty_means_all = torch.Tag.reduction in op.tags
     arguments = op._schema.arguments
-    inplace = bool(arguments) and _is_write(arguments[0]) and not arguments[0].kwarg_only
+    inplace = bool(arguments) and writes_argument(arguments[0]) and not arguments[0].kwarg_only
 
     def rule(interp, *args, **kwargs):
         target = args[0]

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ...core.errors import op_name
+from ...core.op_facts import writes_any
 from ..batched_tensor import VMAP_RULES
 from ..fallback import loop_fallback
 from ..templates import pad_to_rank
@@ -42,14 +43,10 @@ def _data_dependent_rule(op):
     return rule
 
 
-def _writes_out(op) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-
-
 def _per_sample_rule(op):
     """A dynamic-output-shape op: the per-sample loop, which stacks equal shapes and
     raises for different ones. Its out= variant (one buffer for all elements) raises."""
-    if _writes_out(op):
+    if writes_any(op):
         return _data_dependent_rule(op)
     return loop_fallback(
         op,

@@ -19,6 +19,7 @@ import torch
 
 from ...core.custom_function import apply_original as _apply_original
 from ...core.level_tensor import is_physical
+from ...core.op_facts import writes_argument
 from ..batched_tensor import VMAP_RULES
 from ..templates import materialize, normalize_dim, pad_to_rank, raise_unbatched_inplace
 from .data_dependent import _data_dependent_rule
@@ -230,7 +231,7 @@ def _gather_scatter_rule(op, *, output_like: int):
     front (unbatched ones expanded, a view) and `dim` moves past it. torch lets a 0-dim
     tensor meet 1-dim ones here, so 0-dim values are promoted and the result is squeezed
     back when the argument it takes its shape from (`output_like`) was 0-dim."""
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_argument(op._schema.arguments[0])
 
     def rule(interp, self, dim, *args, **kwargs):
         if inplace:
@@ -301,7 +302,7 @@ def _index_select(interp, self, dim, index):
 def _index_source_rule(op, scatter_op, *, prepare_source=None):
     """index_add / index_copy / index_reduce (and their in-place forms): with an unbatched
     index, shift dim; with a batched one, scatter the source along dim instead."""
-    inplace = op._schema.arguments[0].alias_info is not None
+    inplace = writes_argument(op._schema.arguments[0])
 
     def rule(interp, self, dim, index, source, *args, **kwargs):
         if inplace:
