@@ -208,6 +208,11 @@ class Op:
             return (lambda vals: getattr(torch, name)(vals[cur])), s, f"torch.{name}({a})"
         if name == "exp":
             return (lambda vals: torch.exp(0.5 * vals[cur])), s, f"torch.exp(0.5 * {a})"
+        if name == "unary":  # the jvp level's own elementwise rules (ad/jvp_rules.py); positive where needed
+            fn = p["fn"]
+            if fn in ("relu", "cos", "neg"):
+                return (lambda vals: getattr(torch, fn)(vals[cur])), s, f"torch.{fn}({a})"
+            return (lambda vals: getattr(torch, fn)(vals[cur] * vals[cur] + 1)), s, f"torch.{fn}({a} * {a} + 1)"
         if name == "pow":
             return (lambda vals: vals[cur].pow(p["p"])), s, f"{a}.pow({p['p']})"
         if name == "where":
@@ -219,6 +224,8 @@ class Op:
             return fn, s, f"{a} {sym} C{list(s)}"
         if name == "binary":
             u, un = operand(p["j"])
+            if p["kind"] == "div":  # by a positive denominator
+                return (lambda vals: vals[cur] / (u(vals) * u(vals) + 1)), s, f"{a} / ({un} * {un} + 1)"
             sym = {"mul": "*", "add": "+", "sub": "-"}[p["kind"]]
             ops = {"mul": torch.mul, "add": torch.add, "sub": torch.sub}
             return (lambda vals: ops[p["kind"]](vals[cur], u(vals))), s, f"{a} {sym} {un}"
@@ -508,7 +515,7 @@ LINALG_KINDS = ["inv", "det", "solve", "cholesky", "eigvalsh", "eigh", "slogdet"
                 "lu_solve", "cholesky_solve", "pinv", "qr"]  # fmt: skip
 
 FAMILIES = {
-    "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where"],
+    "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where", "unary"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
     "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
@@ -567,13 +574,15 @@ def draw_op(draw, names, shapes, cur):
     p = {}
     if name == "pow":
         p["p"] = draw(st.sampled_from([2, 3]))
+    elif name == "unary":
+        p["fn"] = draw(st.sampled_from(["relu", "cos", "neg", "log", "sqrt", "rsqrt", "reciprocal"]))
     elif name in ("const", "clone_mul_"):
         if name == "const":
             p["kind"] = draw(st.sampled_from(["mul", "add"]))
         p["seed"] = draw(st.integers(0, 9))
     elif name in ("binary", "clone_add_"):
         if name == "binary":
-            p["kind"] = draw(st.sampled_from(["mul", "add", "sub"]))
+            p["kind"] = draw(st.sampled_from(["mul", "add", "sub", "div"]))
         p["j"] = draw(st.integers(0, len(shapes) - 1))
     elif name in ("sum", "mean"):
         p["dim"] = draw(st.sampled_from([None] + dims))
