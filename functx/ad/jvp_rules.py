@@ -387,11 +387,10 @@ def _without_derivative(level, op, values, kwargs):
     return level.wrap_outputs(out, False)
 
 
-def _out_of_place(op):
-    """The default for an out-of-place op: torch's formula on plain duals in one pass where
-    the values are plain (or the level lies over plain grad levels only and the op is in
-    `_PLAIN_UNDER_GRAD`), the general path otherwise."""
-    plain_under_grad = op in _PLAIN_UNDER_GRAD
+def _over_operands(op, differentiate):
+    """A rule for an out-of-place op: where `operands` takes its arguments and one carries a
+    tangent, `differentiate(level, args, kwargs, values, tangents, plain)`; the general path
+    where it does not take them; the op one level down where nothing carries a tangent."""
 
     def rule(level, *args, **kwargs):
         found = operands(level, op, args, kwargs)
@@ -400,12 +399,29 @@ def _out_of_place(op):
         values, tangents, plain = found
         if tangents is None:
             return _without_derivative(level, op, values, kwargs)
+        return differentiate(level, args, kwargs, values, tangents, plain)
+
+    return rule
+
+
+def _by_torch_formula(op):
+    """torch's formula on plain duals in one pass where the values are plain (or the level
+    lies over plain grad levels only and the op is in `_PLAIN_UNDER_GRAD`), the general path
+    otherwise: `differentiate` for `_over_operands`."""
+    plain_under_grad = op in _PLAIN_UNDER_GRAD
+
+    def differentiate(level, args, kwargs, values, tangents, plain):
         if not plain or level.nested and not (level.over_plain_grads and plain_under_grad):
             return level.on_duals(op, args, kwargs)
         out = level.on_plain_duals(op, values, tangents, kwargs)
         return level.on_duals(op, args, kwargs) if out is GENERAL else out
 
-    return rule
+    return differentiate
+
+
+def _out_of_place(op):
+    """The default for an out-of-place op: torch's own formula (`_by_torch_formula`)."""
+    return _over_operands(op, _by_torch_formula(op))
 
 
 def _general(op):
@@ -464,19 +480,13 @@ def _zero(op):
 def _own(op, jvp, accepts=None):
     """A rule from `jvp(out, values, tangents, kwargs)`, the result's tangent(s) by ops on the
     values one level down (right whatever lies below: they re-dispatch), for the operands
-    `operands` takes and `accepts(values, tangents, kwargs)` (when given) accepts; the
-    default for the rest."""
-    otherwise = _out_of_place(op)
+    `operands` takes and `accepts(values, tangents, kwargs)` (when given) accepts; torch's
+    formula for the rest."""
+    by_torch = _by_torch_formula(op)
 
-    def rule(level, *args, **kwargs):
-        found = operands(level, op, args, kwargs)
-        if found is GENERAL:
-            return level.on_duals(op, args, kwargs)
-        values, tangents, plain = found
-        if tangents is None:
-            return _without_derivative(level, op, values, kwargs)
+    def differentiate(level, args, kwargs, values, tangents, plain):
         if accepts is not None and not accepts(values, tangents, kwargs):
-            return otherwise(level, *args, **kwargs)
+            return by_torch(level, args, kwargs, values, tangents, plain)
         with level.lower():
             out = op(*values, **kwargs)
             out_tangent = jvp(out, values, tangents, kwargs)
@@ -484,7 +494,7 @@ def _own(op, jvp, accepts=None):
             return tuple(DualTensor(o, t, level) for o, t in zip(out, out_tangent))
         return DualTensor(out, out_tangent, level)
 
-    return rule
+    return _over_operands(op, differentiate)
 
 
 def _first_tangent_only(jvp):
