@@ -1,4 +1,6 @@
-"""The one place that picks the AD level for a transform call (level.py lists the four).
+"""The one place that picks the AD level for a transform call (level.py lists the four),
+from what the call needs of it (`Needs`: which way derivatives flow, and how the transform
+uses its level's pullback or tangents), not from the transform's name.
 
 - reverse, outermost (no transform active): direct over plain tensors, except with complex
   inputs (a plain complex leaf's lazy conj bit is materialized by torch below autograd at an
@@ -36,6 +38,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import optree
 import torch
 
@@ -49,8 +53,36 @@ from .direct_reverse import DirectGradLevel
 from .wrapped_forward import WrappedJvpLevel
 from .wrapped_reverse import WrappedGradLevel
 
-REVERSE = ("grad", "vjp", "jacrev")
-FORWARD = ("jvp", "jacfwd")
+
+@dataclass(frozen=True)
+class Needs:
+    """What one transform call needs of its AD level.
+
+    `pullback` (reverse mode): "once", one gradient of a scalar, taken inside the call
+    (grad); "rows", cotangents pulled back inside the call, one row at a time or as a batch
+    of rows under one vmap opened right on top (jacrev, DirectGradLevel.vjp); "anywhere", a
+    pullback the user may call later under any levels (vjp, whose `vjp_fn` linearize and
+    jvp's fallback call under a new grad level). `tangents` (forward mode): "given", the
+    caller's tangents, maybe batched (jvp); "columns", a basis pushed through under the
+    transform's own vmap, so that the primal must be computed once (jacfwd)."""
+
+    pullback: str | None = None
+    tangents: str | None = None
+
+    def __post_init__(self):
+        one_way = (self.pullback is None) != (self.tangents is None)
+        if not one_way or self.pullback not in (None, "once", "rows", "anywhere") or self.tangents not in (None, "given", "columns"):
+            raise ValueError(
+                f"choose.Needs: give one of pullback ('once', 'rows', 'anywhere') or tangents "
+                f"('given', 'columns'), got {self}"
+            )
+
+
+GRAD = Needs(pullback="once")
+JACREV = Needs(pullback="rows")
+VJP = Needs(pullback="anywhere")
+JVP = Needs(tangents="given")
+JACFWD = Needs(tangents="columns")
 
 
 def _outermost_direct_grad(level) -> bool:
@@ -148,31 +180,31 @@ def _batched_by(vmap_levels, x) -> bool:
     return type(x) is BatchedTensor and x._interp in vmap_levels
 
 
-def choose_level(transform: str, differentiated):
-    """A new AD level for one call of `transform` ("grad", "vjp", "jacrev", "jvp" or
-    "jacfwd") whose differentiated inputs are the tensors in `differentiated`."""
+def choose_level(needs: Needs, differentiated):
+    """A new AD level for one transform call that needs `needs` (GRAD, JACREV, VJP, JVP,
+    JACFWD) and whose differentiated inputs are the tensors in `differentiated` (forward
+    mode: the pair (primals, tangents))."""
     stack = current_stack()
-    if transform in REVERSE:
+    pullback = needs.pullback
+    if pullback is not None:
         if not stack:
-            if transform == "vjp" and not torch.is_grad_enabled():
+            if pullback == "anywhere" and not torch.is_grad_enabled():
                 return WrappedGradLevel()
             if any(isinstance(x, torch.Tensor) and x.is_complex() for x in optree.tree_leaves(differentiated)):
                 return WrappedGradLevel()
             return DirectGradLevel(())
-        if transform == "grad" and _over_values(stack, differentiated):
+        if pullback == "once" and _over_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
-        if transform == "vjp" and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
+        if pullback == "anywhere" and torch.is_grad_enabled() and _vjp_over_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
-        if transform == "jacrev" and torch.is_grad_enabled() and _jacrev_on_values(stack, differentiated):
+        if pullback == "rows" and torch.is_grad_enabled() and _jacrev_on_values(stack, differentiated):
             return DirectGradLevel((), over_values=True)
-        if transform != "vjp":
+        if pullback != "anywhere":
             vmap_levels = vmap_levels_on_top(stack, _outermost_direct_grad, differentiated)
-            if vmap_levels is not None and (transform == "grad" or len(vmap_levels) == 1):
+            if vmap_levels is not None and (pullback == "once" or len(vmap_levels) == 1):
                 return DirectGradLevel(vmap_levels)
         return WrappedGradLevel()
-    if transform not in FORWARD:
-        raise ValueError(f"unknown transform {transform!r}")
-    if transform == "jvp":
+    if needs.tangents == "given":
         primals, tangents = differentiated
         if _jvp_on_values(stack, primals, tangents):
             return DirectJvpLevel(())

@@ -39,6 +39,7 @@ from __future__ import annotations
 import optree
 import torch
 
+from ..vmap.batched_tensor import UNDER_DIRECT_JVP
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
 from .custom_function import no_jvp_message
 from .dual_tensor import DUAL_LEVEL, load_forward_decompositions, make_dual, overlaps, tangent_like, unpack_dual
@@ -63,6 +64,8 @@ class DirectJvpLevel(ADLevel):
 
     __slots__ = ("vmap_levels", "lifts_buffers", "_outer", "_writes")
     forward_mode = True
+    # what this level changes about vmap's rules while it rides on vmap levels (VmapInterpreter.refresh)
+    vmap_overrides = UNDER_DIRECT_JVP
 
     def __init__(self, vmap_levels):
         super().__init__()

@@ -49,7 +49,7 @@ import torch
 
 from ..core.interpreter import current_stack, functx_code
 from ..core.level_tensor import LevelTensor
-from ..vmap.batched_tensor import BatchedTensor
+from ..vmap.batched_tensor import UNDER_DIRECT_GRAD, BatchedTensor
 from ..vmap.interpreter import VmapInterpreter
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, wrap_chain
 from .level import ADLevel, autograd_grad, unwrap_level
@@ -102,6 +102,8 @@ class DirectGradLevel(ADLevel):
         "_writes", "_own_nodes", "_leaf_bases",
     )
     forward_mode = False
+    # what this level changes about vmap's rules while it rides on vmap levels (VmapInterpreter.refresh)
+    vmap_overrides = UNDER_DIRECT_GRAD
 
     def __init__(self, vmap_levels=(), over_values=False):
         super().__init__()

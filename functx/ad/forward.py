@@ -27,7 +27,7 @@ from ..core.errors import PerformanceWarning
 from ..core.interpreter import current_stack, functx_code, interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
-from .choose import choose_level
+from .choose import JACFWD, JVP, choose_level
 from .direct_forward import DirectJvpLevel
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
@@ -90,7 +90,7 @@ def _check_primals_tangents(primals, tangents, api):
 _FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
 
 
-def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=False):
+def _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=False):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
     output does not depend on the primals, output structure, aux). `wrapped`: at a wrapped
     level whatever choose.py would pick (it computes an op without a forward formula by the
@@ -106,7 +106,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=
         prepare_forward_mode()
         if _FUNCTIONAL_COLLECTIVES in sys.modules:
             from . import collectives  # noqa: F401  (their forward rules, registered on first import)
-        level = WrappedJvpLevel() if wrapped else choose_level(transform, (flat_primals, flat_tangents))
+        level = WrappedJvpLevel() if wrapped else choose_level(needs, (flat_primals, flat_tangents))
     if type(level) is DirectJvpLevel:
         try:
             return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
@@ -119,7 +119,7 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=
         # torch.func computes (`vmap(jvp)` of an FFT power spectrum, `X * X.conj()`, with an
         # unbatched primal). A wrapped level makes the tangent of every view itself: run it
         # there (the function runs again, as the double-VJP fallback below reruns it).
-        return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=True)
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=True)
     return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
 
 
@@ -187,9 +187,9 @@ def _tracked(x) -> bool:
     return False
 
 
-def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
+def _jvp_flat(func, primals, flat_tangents, has_aux, api, needs=JVP):
     try:
-        return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform)
+        return _forward_jvp(func, primals, flat_tangents, has_aux, api, needs)
     except NotImplementedError as error:
         if NO_FORWARD_FORMULA not in str(error):
             raise
@@ -208,7 +208,7 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, transform="jvp"):
         # without a formula alone (torch's forward AD on values, a direct level, cannot);
         # jvp(jvp) of a Huber loss of `x * no_grad(x ** 2)` computes there.
         try:
-            return _forward_jvp(func, primals, flat_tangents, has_aux, api, transform, wrapped=True)
+            return _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=True)
         except NotImplementedError as again:
             if NO_FORWARD_FORMULA not in str(again) or _forward_level_outside():
                 # (under another forward transform the op may be that level's, a jvp on values
@@ -351,7 +351,7 @@ def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
         return func(*replace_argnums(own, checked, pytree.tree_unflatten(diff_spec, list(flat))), **kwargs)
 
     def push_jvp(*basis):
-        flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, "jacfwd")
+        flat_out, flat_tangents, out_spec, aux = _jvp_flat(of_diff, tuple(flat_diff), list(basis), has_aux, api, JACFWD)
         for out in flat_out:
             if out.is_complex():
                 raise RuntimeError("jacfwd: Expected all outputs to be real but received complex tensor")

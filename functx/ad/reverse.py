@@ -20,7 +20,7 @@ from .arguments import (
     replace_argnums,
     select_argnums,
 )
-from .choose import choose_level
+from .choose import GRAD, JACREV, VJP, choose_level
 from .direct_reverse import is_differentiated, without_own_graph
 from .level import recording, unwrap_level
 
@@ -34,17 +34,17 @@ def _split_aux(output, has_aux: bool, api: str):
     return output
 
 
-def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="vjp"):
+def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, needs=VJP):
     """Run `func` at a new grad level, differentiating the `argnums` arguments (all tensor
     leaves when argnums is None). Returns (output, vjp_fn, aux); `vjp_fn(cotangents)`
-    returns cotangents shaped like the differentiated arguments. `transform="jacrev"`: the
+    returns cotangents shaped like the differentiated arguments. `needs=JACREV`: the
     caller calls `vjp_fn` only as jacrev does (see DirectGradLevel.vjp), so right inside
     vmap the level may run on vmap's physical tensors."""
     with functx_code():
         if argnums is not None:
             argnums = check_argnums(argnums, len(args), api)
         flat_args, diff_spec = pytree.tree_flatten(args if argnums is None else select_argnums(args, argnums))
-        level = choose_level(transform, flat_args)
+        level = choose_level(needs, flat_args)
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
@@ -145,7 +145,7 @@ def _grad_and_value_call(func, argnums, has_aux, args, kwargs):
     with functx_code():
         checked = check_argnums(argnums, len(args), api)
         flat_args, diff_spec = pytree.tree_flatten(select_argnums(args, checked))
-        level = choose_level("grad", flat_args)
+        level = choose_level(GRAD, flat_args)
     with interpreting(level), recording():
         with functx_code():
             flat_diff = make_differentiable(flat_args, level, api)
@@ -282,7 +282,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
 def _jacrev_call(func, argnums, has_aux, chunk_size, args, kwargs):
     """`jacrev(func, argnums, has_aux=..., chunk_size=...)(*args, **kwargs)`."""
     api = "jacrev(f, argnums)"
-    output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, transform="jacrev")
+    output, vjp_fn, aux = _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, needs=JACREV)
     flat_out, out_spec = pytree.tree_flatten(output)
     for out in flat_out:
         if out.is_complex():

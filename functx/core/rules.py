@@ -13,10 +13,15 @@ dispatcher meets an op, the table resolves a handler once and caches it:
 
 A table made with `otherwise` (forward mode: torch's own formula on duals) uses
 `otherwise(op)` after the rules and templates, instead of 1c-4.
+
+A level of another kind riding on a level of this table (a direct AD level on a vmap level's
+physical tensors) brings its own `Overrides`: `table.handler_under(overrides)` is the lookup
+while it rides, each overridden op trying the rider's rule first.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
@@ -70,11 +75,21 @@ class RuleTable:
         self.guard = guard
         self.templates: list[tuple[Callable[[Op], bool], Callable[[Op], Rule]]] = []
         self._handlers: dict[Op, Rule] = {}
+        self._lookups_under: dict[Overrides, Callable[[Op], Rule]] = {}
+
+    def _changed(self, op=None):
+        """Forget resolved handlers (of `op`, or all) after a rule or template changed."""
+        if op is None:
+            self._handlers.clear()
+        else:
+            self._handlers.pop(op, None)
+        for overrides in self._lookups_under:
+            overrides.forget(self)
 
     def add_template(self, predicate: Callable[[Op], bool], factory: Callable[[Op], Rule]) -> None:
         """Ops without a registered rule for which `predicate(op)` holds get `factory(op)`."""
         self.templates.append((predicate, factory))
-        self._handlers.clear()
+        self._changed()
 
     def register(self, *ops: Any) -> Callable[[Rule], Rule]:
         """Decorator registering one rule for several ops (packets expand to all overloads)."""
@@ -82,7 +97,7 @@ class RuleTable:
         def decorate(rule):
             for op in overloads(*ops):
                 self.rules[op] = rule
-                self._handlers.pop(op, None)
+                self._changed(op)
             return rule
 
         return decorate
@@ -90,13 +105,31 @@ class RuleTable:
     def set(self, op: Op, rule: Rule) -> None:
         """Register `rule` for one op (the functional form of `register`)."""
         self.rules[op] = rule
-        self._handlers.pop(op, None)
+        self._changed(op)
 
     def handler(self, op: Op) -> Rule:
         handler = self._handlers.get(op)
         if handler is None:
             handler = self._handlers[op] = self._resolve(op)
         return handler
+
+    def handler_under(self, overrides: Overrides) -> Callable[[Op], Rule]:
+        """The handler lookup of a level of this table while a rider with `overrides` rides
+        on it: `handler`'s, but an op the rider overrides tries the rider's rule first (inside
+        the table's guard), and the table's own handler where that declines. Resolved once per
+        op and kept, like `handler`."""
+        lookup = self._lookups_under.get(overrides)
+        if lookup is None:
+            resolved = overrides.resolved_for(self)
+
+            def lookup(op):
+                handler = resolved.get(op)
+                if handler is None:
+                    handler = resolved[op] = self._resolve(op, overrides)
+                return handler
+
+            self._lookups_under[overrides] = lookup
+        return lookup
 
     def how(self, op: Op) -> str:
         """How `op` is handled: "rule", "template", "default" (`otherwise`), "decomposition",
@@ -111,8 +144,10 @@ class RuleTable:
             return "decomposition"
         return "fallback" if self.fallback is not None else "missing"
 
-    def _resolve(self, op):
+    def _resolve(self, op, overrides=None):
         handler = self._resolve_rule(op)
+        if overrides is not None and op in overrides.rules:
+            handler = overrides.over(op, handler)
         if self.guard is not None and self.how(op) != "fallback":
             handler = self.guard(op, handler)
         if is_inplace_view(op):
@@ -154,6 +189,62 @@ class RuleTable:
 
         return missing
 
+
+class Overrides:
+    """The rules a level of one kind adds over another kind's `RuleTable` while it rides on
+    a level of that table: `rule(rider, interp, *args, **kwargs)`, where `rider` is the
+    riding level (the attribute `rider` of the level below names it), returning
+    NotImplemented to leave the op to the table's own handler. (A direct grad level over
+    vmap: a product whose per-element gradients torch's autograd should lay out like the
+    operands, vmap/batched_tensor.py `UNDER_DIRECT_GRAD`.)
+
+        >>> from functx.vmap.batched_tensor import UNDER_DIRECT_GRAD, VMAP_RULES
+        >>> import torch
+        >>> UNDER_DIRECT_GRAD.rider, torch.ops.aten.mm.default in UNDER_DIRECT_GRAD.rules
+        ('direct_ad', True)
+        >>> VMAP_RULES.handler_under(UNDER_DIRECT_GRAD) is VMAP_RULES.handler_under(UNDER_DIRECT_GRAD)
+        True
+    """
+
+    def __init__(self, name: str, rider: str):
+        self.name = name
+        self.rider = rider
+        self.rules: dict[Op, Rule] = {}
+        self._resolved: dict[RuleTable, dict[Op, Rule]] = {}
+
+    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
+        """Decorator registering one override for several ops (packets expand)."""
+
+        def decorate(rule):
+            for op in overloads(*ops):
+                self.set(op, rule)
+            return rule
+
+        return decorate
+
+    def set(self, op: Op, rule: Rule) -> None:
+        self.rules[op] = rule
+        for resolved in self._resolved.values():
+            resolved.pop(op, None)
+
+    def resolved_for(self, table: RuleTable) -> dict[Op, Rule]:
+        """The cache of handlers `table` resolved under these overrides."""
+        return self._resolved.setdefault(table, {})
+
+    def forget(self, table: RuleTable) -> None:
+        self._resolved.get(table, {}).clear()
+
+    def over(self, op: Op, handler: Rule) -> Rule:
+        """`op`'s override, falling back to `handler` where it declines."""
+        override, rider_of = self.rules[op], operator.attrgetter(self.rider)
+
+        def overridden(interp, *args, **kwargs):
+            out = override(rider_of(interp), interp, *args, **kwargs)
+            return handler(interp, *args, **kwargs) if out is NotImplemented else out
+
+        overridden.__name__ = getattr(override, "__name__", "override")
+        overridden.__wrapped__ = handler
+        return overridden
 
 
 def _fixing_wrapper_metadata(op, handler):

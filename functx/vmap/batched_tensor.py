@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..core.level_tensor import LevelTensor, is_user_detach
-from ..core.rules import RuleTable
+from ..core.rules import Overrides, RuleTable
 from .per_sample_check import per_sample_checked
 
 _DETACH = torch.ops.aten.detach.default
@@ -56,8 +56,7 @@ class BatchedTensor(LevelTensor):
         a direct jvp level, whose physical tensors carry tangents, not a graph."""
         if wrapper_requires_grad(self):
             return True
-        direct = self._interp.direct_ad
-        return (direct is None or not direct.forward_mode) and self._value.requires_grad
+        return self._interp.values_record_graphs and self._value.requires_grad
 
     @requires_grad.setter
     def requires_grad(self, flag):
@@ -81,6 +80,18 @@ def _fallback_factory(op):
 
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""
+
+UNDER_DIRECT_GRAD = Overrides("vmap under a direct grad level", rider="direct_ad")
+"""What a direct grad level (ad/direct_reverse.py) changes about vmap's rules while it rides
+on the physical tensors (`VmapInterpreter.direct_ad`): products, embeddings and shared-weight
+convolutions torch's autograd records as Functions whose backward lays each element's
+gradient out like its operand, batch norm training with running statistics the level
+lifted. `@UNDER_DIRECT_GRAD.register(op)` on `rule(direct, interp, *args, **kwargs)`, in the
+family files next to the op's batching rule."""
+
+UNDER_DIRECT_JVP = Overrides("vmap under a direct jvp level", rider="direct_ad")
+"""The same for a direct jvp level (ad/direct_forward.py): the normalizations' backward
+recomputing their statistics so forward AD gives them tangents; batch norm as above."""
 
 
 RULES_USING_AUTOGRAD: set = set()

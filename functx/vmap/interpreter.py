@@ -29,7 +29,7 @@ from .chain import peel
 from .custom_function import apply_at_vmap_level
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+_below_autograd_mode = torch._C._AutoDispatchBelowAutograd
 _forward_ad_enabled = torch.autograd.forward_ad._set_fwd_grad_enabled
 
 
@@ -89,7 +89,7 @@ _UNCHANGED = object()
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of", "values_record_graphs")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -124,13 +124,21 @@ class VmapInterpreter(Interpreter):
         record autograd graphs (a grad level below, a physical grad level), views of them are
         tracked, and CompositeImplicitAutograd ops decompose before reaching the level below.
         (Always restoring measured faster than checking the values first: transformer
-        per-sample grads 6% faster.)"""
-        self.handler_of = VMAP_RULES.handler
+        per-sample grads 6% faster.)
+
+        `handler_of`: the batching rules, under the overrides of a direct AD level riding on
+        this one (its `vmap_overrides`, vmap/batched_tensor.py `UNDER_DIRECT_GRAD`): the
+        rules never ask which AD level is above them."""
+        overrides = None if self.direct_ad is None else self.direct_ad.vmap_overrides
+        # whether the graphs torch records on the physical values are what `requires_grad`
+        # inside reports (not under a direct jvp level, whose values carry tangents)
+        self.values_record_graphs = self.direct_ad is None or not self.direct_ad.forward_mode
+        self.handler_of = VMAP_RULES.handler if overrides is None else VMAP_RULES.handler_under(overrides)
         if self.ad_above:
             # torch's autograd and forward AD record on this level's wrappers, above: the
             # rules run below autograd, but for those that run torch's autograd themselves
             self.lower = _restore_autograd
-            self.handler_of = _handler_below_autograd
+            self.handler_of = _below_autograd(self.handler_of)
         elif self.over_dual_values:
             # opened inside a jvp level on values: its tangents flow through the physical
             # values, never through this level's wrappers (core/dual_values.py)
@@ -242,18 +250,23 @@ def _unlifted_fresh_constants(args, mutated):
     return args if new is None else tuple(new)
 
 
-def _handler_below_autograd(op):
-    """`VmapInterpreter.handler_of` under AD on values above: the op's rule below autograd,
-    unless it runs torch's autograd itself (`RULES_USING_AUTOGRAD`)."""
-    rule = VMAP_RULES.handler(op)
-    if op in RULES_USING_AUTOGRAD:
-        return rule
+def _below_autograd(handler_of):
+    """`VmapInterpreter.handler_of` under AD on values above: each op's handler from
+    `handler_of` run below autograd, unless it runs torch's autograd itself
+    (`RULES_USING_AUTOGRAD`)."""
 
-    def below_autograd(interp, *args, **kwargs):
-        with _below_autograd():
-            return rule(interp, *args, **kwargs)
+    def handler_below_autograd(op):
+        rule = handler_of(op)
+        if op in RULES_USING_AUTOGRAD:
+            return rule
 
-    return below_autograd
+        def below_autograd(interp, *args, **kwargs):
+            with _below_autograd_mode():
+                return rule(interp, *args, **kwargs)
+
+        return below_autograd
+
+    return handler_below_autograd
 
 
 def vmap_levels_on_top(stack, below_ok, tensors):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import functx
-from functx.ad.choose import choose_level
+from functx.ad.choose import GRAD, JVP, choose_level
 from functx.ad.direct_forward import DirectJvpLevel
 from functx.ad.direct_reverse import DirectGradLevel
 from functx.core.interpreter import current_stack
@@ -196,10 +196,10 @@ def test_levels_chosen():
     with functx.core.interpreter.interpreting(VmapInterpreter(2, "error")) as vmap_level:
         from functx.vmap.batched_tensor import BatchedTensor
 
-        level = choose_level("grad", [BatchedTensor(torch.randn(2, 3), vmap_level)])
+        level = choose_level(GRAD, [BatchedTensor(torch.randn(2, 3), vmap_level)])
         assert type(level) is DirectGradLevel and level.vmap_levels == (vmap_level,)
-        assert type(choose_level("jvp", ([torch.randn(3)], [torch.randn(3)]))) is DirectJvpLevel
-    assert type(choose_level("jvp", ([torch.randn(3, requires_grad=True)], [torch.randn(3)]))).__name__ == "WrappedJvpLevel"
+        assert type(choose_level(JVP, ([torch.randn(3)], [torch.randn(3)]))) is DirectJvpLevel
+    assert type(choose_level(JVP, ([torch.randn(3, requires_grad=True)], [torch.randn(3)]))).__name__ == "WrappedJvpLevel"
 
 
 def test_jvp_on_values_with_batched_tangents_and_batched_closures():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import sys
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from torch._dynamo.backends.common import aot_autograd
 import functx
 from functx.staging import graph_passes
 from functx.staging.graph_passes import SharedWeights
+from functx.vmap.batched_tensor import UNDER_DIRECT_GRAD
 
 aten = torch.ops.aten
 CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -60,9 +60,13 @@ def _grouped_convolutions():
     SharedWeightConvolution) except where the gradient is built with create_graph (MAML on a
     conv net, a gradient penalty), whose traces keep the grouped convolution against batch
     copies that the pass rewrites; switched off here to trace those graphs simply."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sys.modules["functx.vmap.rules.nn_conv"], "_shared_weight_convolution", lambda *args: None)
+    convolution = torch.ops.aten.convolution.default
+    shared_weight = UNDER_DIRECT_GRAD.rules[convolution]
+    UNDER_DIRECT_GRAD.set(convolution, lambda *args: NotImplemented)
+    try:
         yield
+    finally:
+        UNDER_DIRECT_GRAD.set(convolution, shared_weight)
 
 
 def _grouped_by_batch(gm, batch):
@@ -210,14 +214,14 @@ def test_jit_runs_the_pass_before_the_callers(monkeypatch):
     f = functx.vmap(functx.grad(loss, argnums=(0, 1, 2)), in_dims=(None, None, 0))
     expected = _per_sample_reference(loss, (w, b), xs, (0, 1, 2))
     grouped = []
-    monkeypatch.setattr(sys.modules["functx.vmap.rules.nn_conv"], "_shared_weight_convolution", lambda *args: None)
-    for enabled in (True, False):
-        monkeypatch.setattr(graph_passes, "ENABLED", enabled)
-        seen.clear()
-        got = functx.jit(f, backend="inductor", options={"post_grad_custom_pre_pass": Recorder()})(w, b, xs)
-        torch.testing.assert_close([g.double() for g in got], expected, rtol=1e-4, atol=1e-4)
-        (nodes,) = seen
-        grouped.append([args for target, args in nodes if target is aten.convolution.default and args[-1] == 4])
+    with _grouped_convolutions():
+        for enabled in (True, False):
+            monkeypatch.setattr(graph_passes, "ENABLED", enabled)
+            seen.clear()
+            got = functx.jit(f, backend="inductor", options={"post_grad_custom_pre_pass": Recorder()})(w, b, xs)
+            torch.testing.assert_close([g.double() for g in got], expected, rtol=1e-4, atol=1e-4)
+            (nodes,) = seen
+            grouped.append([args for target, args in nodes if target is aten.convolution.default and args[-1] == 4])
     assert grouped[0] == [] and len(grouped[1]) == 1
 
 

@@ -20,7 +20,7 @@ import torch
 from ...core.custom_function import apply_original as _apply_original
 from ...core.level_tensor import is_physical
 from ...core.op_facts import writes_argument
-from ..batched_tensor import VMAP_RULES
+from ..batched_tensor import UNDER_DIRECT_GRAD, VMAP_RULES
 from ..templates import materialize, normalize_dim, pad_to_rank, raise_unbatched_inplace
 from .data_dependent import _data_dependent_rule
 
@@ -521,18 +521,18 @@ class BatchedEmbedding(torch.autograd.Function):
         return out, None, None, None
 
 
-def _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq, sparse):
-    """`BatchedEmbedding` where a direct grad level differentiates the table (2-d, dense,
-    not scaled by frequency); None otherwise."""
-    direct = interp.direct_ad
-    if direct is None or direct.forward_mode or scale_grad_by_freq or sparse or weight.dim() != 2:
-        return None
+@UNDER_DIRECT_GRAD.register(aten.embedding.default)
+def _embedding_recorded(direct, interp, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """A batched lookup as a `BatchedEmbedding` where the direct grad level differentiates
+    the table (2-d, dense, not scaled by frequency)."""
+    if scale_grad_by_freq or sparse or weight.dim() != 2 or not interp.is_batched(weight):
+        return NotImplemented
     table = materialize(interp, weight)
     if not is_physical(table) or not table.requires_grad or not torch.is_grad_enabled():
-        return None
+        return NotImplemented
     value = materialize(interp, indices)
     if not is_physical(value):
-        return None
+        return NotImplemented
     offsets = _batch_arange(interp, value, indices.dim()) * weight.shape[0]
     out = _apply_original(BatchedEmbedding, table, value + offsets, value, padding_idx)
     return interp.wrap(out)
@@ -542,9 +542,6 @@ def _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq
 def _embedding(interp, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if not interp.is_batched(weight) and not scale_grad_by_freq:
         return interp.wrap(aten.embedding(weight, indices._value, padding_idx, scale_grad_by_freq, sparse))
-    out = _embedding_override(interp, weight, indices, padding_idx, scale_grad_by_freq, sparse)
-    if out is not None:
-        return out
     # An ensemble of tables: one lookup into the stacked tables. Per-element counts
     # (scale_grad_by_freq) stay right because the offset indices never collide; that is
     # also why a shared table is stacked (copied) when it scales by frequency.

@@ -23,7 +23,7 @@ import torch
 
 from ...core.custom_function import apply_original as _apply_original
 from ...core.level_tensor import LevelTensor, is_physical
-from ..batched_tensor import VMAP_RULES
+from ..batched_tensor import UNDER_DIRECT_GRAD, VMAP_RULES
 from ..templates import batch_all_rule, materialize, pad_to_rank, raise_unbatched_inplace
 
 aten = torch.ops.aten
@@ -225,22 +225,20 @@ def _product_node(a, b, bias=None):
     return _apply_original(BatchedProduct, a, b, bias)
 
 
-def _override_product(interp, a, b) -> bool:
-    """Whether the physical product a @ b (batched operands) is one torch's autograd records
-    for a direct grad level (plain real tensors, one of them differentiated). Not where the
-    level's inputs stay connected to the graph of an outer functx transform (MAML's inner
-    steps under the meta-gradient's grad): that transform differentiates the gradient
-    again, and the double backward would run this Function's Python backward per product
-    (MAML step 0.92x -> 1.17x torch.func); tiny per-task weights gain nothing from a layout.
-    Inputs connected only because the caller's tensors require grad (`dict(
-    model.named_parameters())` passed as is) do take it: per-sample gradients must not
-    depend on whether the caller's parameters require grad (they differed by up to 7e-7
-    in float32, and in layout; dattri compares them with allclose's defaults)."""
-    direct = interp.direct_ad
+def records_products(direct, a, b) -> bool:
+    """Whether a direct grad level `direct` has torch's autograd record the physical
+    product a @ b (batched operands) as a `BatchedProduct` (plain real tensors, one of them
+    differentiated). Not where the level's inputs stay connected to the graph of an outer
+    functx transform (MAML's inner steps under the meta-gradient's grad): that transform
+    differentiates the gradient again, and the double backward would run this Function's
+    Python backward per product (MAML step 0.92x -> 1.17x torch.func); tiny per-task
+    weights gain nothing from a layout. Inputs connected only because the caller's tensors
+    require grad (`dict(model.named_parameters())` passed as is) do take it: per-sample
+    gradients must not depend on whether the caller's parameters require grad (they
+    differed by up to 7e-7 in float32, and in layout; dattri compares them with allclose's
+    defaults)."""
     return (
-        direct is not None
-        and not direct.forward_mode
-        and not (direct.connected and direct.under_ad)
+        not (direct.connected and direct.under_ad)
         and is_physical(a)
         and is_physical(b)
         and (a.requires_grad or b.requires_grad)
@@ -248,13 +246,6 @@ def _override_product(interp, a, b) -> bool:
         and a.dtype.is_floating_point
         and b.dtype.is_floating_point
     )
-
-
-def _product(interp, a, b):
-    """Physical a @ b of batched (B, n, k) and (B, k, m) operands (unbatched ones expanded)."""
-    if _override_product(interp, a, b):
-        return _product_node(a, b)
-    return aten.bmm.default(a, b)
 
 
 # -- products: mm, bmm, mv, dot, vdot -----------------------------------------------------
@@ -274,7 +265,20 @@ def _mm(interp, a, b):
         # rows that do not fold without a copy (a transposed batch of matrices: the tangent
         # of `grad.t() @ x` in a weight's backward): bmm reads them as they lie
         return interp.wrap(aten.bmm.default(value, b.expand(size, *b.shape)))
-    return interp.wrap(_product(interp, materialize(interp, a), materialize(interp, b)))
+    return interp.wrap(aten.bmm.default(materialize(interp, a), materialize(interp, b)))
+
+
+@UNDER_DIRECT_GRAD.register(aten.mm.default)
+def _mm_recorded(direct, interp, a, b):
+    """mm of batched operands (not the one-GEMM fold) as a `BatchedProduct`, where the direct
+    grad level differentiates them (`records_products`)."""
+    if interp.is_batched(a) and not interp.is_batched(b):
+        return NotImplemented
+    _expect_dims("mm", self=(a, 2), mat2=(b, 2))
+    left, right = materialize(interp, a), materialize(interp, b)
+    if not records_products(direct, left, right):
+        return NotImplemented
+    return interp.wrap(_product_node(left, right))
 
 
 def _rows_fold(value) -> bool:
@@ -320,27 +324,41 @@ def _vdot(interp, a, b):
 
 
 # -- products with an added term: addmm, addmv, addr, addbmm, baddbmm ----------------------
+def _addmm_rows_fold(interp, self, m1, m2) -> bool:
+    """F.linear on a batched input: the batch joins the rows of one addmm."""
+    rows_fold = not interp.is_batched(self) and (self.dim() < 2 or self.shape[0] == 1)
+    return interp.is_batched(m1) and not interp.is_batched(m2) and rows_fold and _rows_fold(m1._value)
+
+
 def _addmm(interp, self, m1, m2, *, beta=1, alpha=1):
     _expect_dims("addmm", mat1=(m1, 2), mat2=(m2, 2))
-    size = interp.batch_size
-    rows_fold = not interp.is_batched(self) and (self.dim() < 2 or self.shape[0] == 1)
-    if interp.is_batched(m1) and not interp.is_batched(m2) and rows_fold and _rows_fold(m1._value):
-        # F.linear on a batched input: the batch joins the rows, one addmm.
+    if _addmm_rows_fold(interp, self, m1, m2):
+        size = interp.batch_size
         flat = m1._value.reshape(size * m1.shape[0], m1.shape[1])
         out = torch.addmm(self, flat, m2, beta=beta, alpha=alpha)
         return interp.wrap(out.view(size, m1.shape[0], m2.shape[1]))
     if interp.is_batched(m1) or interp.is_batched(m2):
         left, right = materialize(interp, m1), materialize(interp, m2)
-        if _override_product(interp, left, right):  # F.linear under vmap(grad)
-            if beta == 1 and alpha == 1:
-                bias = _phys_at_rank(interp, self, 2)
-                if is_physical(bias) and bias.dtype == left.dtype:
-                    return interp.wrap(_product_node(left, right, bias))
-            product = _product_node(left, right)
-            return interp.wrap(_scale_add(interp, product, self, 2, beta, alpha))
         out = torch.baddbmm(_phys_at_rank(interp, self, 2), left, right, beta=beta, alpha=alpha)
         return interp.wrap(out)
     return interp.wrap(_scale_add(interp, torch.mm(m1, m2), self, 2, beta, alpha))
+
+
+@UNDER_DIRECT_GRAD.register(aten.addmm.default)
+def _addmm_recorded(direct, interp, self, m1, m2, *, beta=1, alpha=1):
+    """F.linear under vmap(grad): addmm of batched factors (not the one-addmm fold) as a
+    `BatchedProduct` with its bias, where the level differentiates them (`records_products`)."""
+    _expect_dims("addmm", mat1=(m1, 2), mat2=(m2, 2))
+    if not (interp.is_batched(m1) or interp.is_batched(m2)) or _addmm_rows_fold(interp, self, m1, m2):
+        return NotImplemented
+    left, right = materialize(interp, m1), materialize(interp, m2)
+    if not records_products(direct, left, right):
+        return NotImplemented
+    if beta == 1 and alpha == 1:
+        bias = _phys_at_rank(interp, self, 2)
+        if is_physical(bias) and bias.dtype == left.dtype:
+            return interp.wrap(_product_node(left, right, bias))
+    return interp.wrap(_scale_add(interp, _product_node(left, right), self, 2, beta, alpha))
 
 
 def _addmv(interp, self, mat, vec, *, beta=1, alpha=1):

@@ -14,9 +14,9 @@ One kernel call per op, whichever arguments are batched; the vmap batch B goes i
 import torch
 
 from ...core.custom_function import apply_original
-from ..batched_tensor import VMAP_RULES
+from ..batched_tensor import UNDER_DIRECT_GRAD, VMAP_RULES
 from ..templates import materialize
-from .linalg import _override_product as _direct_grad_records
+from .linalg import records_products
 
 aten = torch.ops.aten
 
@@ -104,7 +104,7 @@ class SharedWeightConvolution(torch.autograd.Function):
     convolve B copies of the weight; here the forward is one convolution of the B·N inputs
     against the weight itself, and the backward gives the input's gradient likewise and each
     element's weight gradient grouped or unfolded, whichever `unfolding_pays`. Only where the
-    gradient is not built with create_graph=True (`_direct_grad_records`): the backward reads
+    gradient is not built with create_graph=True (`records_products`): the backward reads
     the weight through element 0, which would differentiate as element 0 alone."""
 
     # forward(ctx, ...) without setup_context: torch binds a setup_context Function's
@@ -150,14 +150,19 @@ class SharedWeightConvolution(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def _shared_weight_convolution(interp, op, input, weight, bias, transposed, flags):
-    """`SharedWeightConvolution` where it applies (see its docstring); None otherwise."""
-    if op is not aten.convolution.default or transposed or flags:
-        return None
+@UNDER_DIRECT_GRAD.register(aten.convolution.default)
+def _shared_weight_convolution(direct, interp, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution of batched inputs against a weight the direct grad level `direct` gave
+    the batch dim as an expand, as a `SharedWeightConvolution` where the level has torch's
+    autograd record it (`records_products`; see the Function's docstring)."""
+    if transposed or not (interp.is_batched(input) and interp.is_batched(weight)):
+        return NotImplemented
+    _check_input_rank(input, weight)
     x, w = materialize(interp, input), materialize(interp, weight)
-    if w.stride(0) != 0 or not w.shape[0] or not _direct_grad_records(interp, x, w):
-        return None
-    return x, w, None if bias is None else materialize(interp, bias)
+    if w.stride(0) != 0 or not w.shape[0] or not records_products(direct, x, w):
+        return NotImplemented
+    b = None if bias is None else materialize(interp, bias)
+    return interp.wrap(apply_original(SharedWeightConvolution, x, w, b, stride, padding, dilation, groups))
 
 
 # -- aten.convolution -----------------------------------------------------------------------
@@ -173,9 +178,6 @@ def _convolution_rule(op):
         input_batched, weight_batched = interp.is_batched(input), interp.is_batched(weight)
         if weight_batched:
             bias_value = None if bias is None else materialize(interp, bias)
-            if input_batched and (shared := _shared_weight_convolution(interp, op, input, weight, bias, transposed, flags)):
-                x, w, b = shared
-                return interp.wrap(apply_original(SharedWeightConvolution, x, w, b, stride, padding, dilation, groups))
             if input_batched:  # B into the groups
                 w = weight._value.flatten(0, 1)
                 b = None if bias_value is None else bias_value.flatten(0, 1)

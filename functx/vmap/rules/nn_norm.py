@@ -23,7 +23,7 @@ every element (`_batch_norm_unbatched_input`).
 import torch
 import torch._decomp
 
-from ..batched_tensor import VMAP_RULES
+from ..batched_tensor import UNDER_DIRECT_GRAD, UNDER_DIRECT_JVP, VMAP_RULES
 from ..templates import materialize, pad_to_rank
 
 aten = torch.ops.aten
@@ -78,7 +78,7 @@ def _native_layer_norm(interp, input, normalized_shape, weight=None, bias=None, 
 _layer_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_layer_norm_backward.default]
 
 
-def _statistics_with_tangents(interp, input, normalized_shape, mean, rstd):
+def _statistics_with_tangents(direct, input, normalized_shape, mean, rstd):
     """`mean` and `rstd` of layer norm recomputed from `input` (differentiable ops, so
     forward AD gives them their tangents); eps, which the backward op is not given, is the
     constant that makes the recomputed rstd the given one, computed from primals without
@@ -89,7 +89,7 @@ def _statistics_with_tangents(interp, input, normalized_shape, mean, rstd):
     dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
     new_mean = input.mean(dims, keepdim=True)
     var = (input - new_mean).pow(2).mean(dims, keepdim=True).view(rstd.shape)
-    primal = lambda t: interp.direct_ad.unpack(t)[0]
+    primal = lambda t: direct.unpack(t)[0]
     eps = primal(rstd).pow(-2) - primal(var)
     return new_mean.view(mean.shape), (var + eps).rsqrt()
 
@@ -99,19 +99,7 @@ def _native_layer_norm_backward(interp, grad_out, input, normalized_shape, mean,
     """Per-sample gradients of layer norm (vmap of grad): the input gradient is one call on
     the physical tensors (the batch is one more leading dim); the weight and bias
     gradients sum over the logical leading dims only, so they stay per batch element.
-    A batched weight or bias (ensembles) goes through torch's decomposition.
-
-    Under a direct jvp level (forward AD on the physical tensors: forward-over-reverse
-    Hessian-vector products of batched primals, `vmap(jvp(grad(f)))`), `mean` and `rstd`
-    carry no tangent (torch's forward AD gives the statistics none), so every formula that
-    reads them would miss their dependence on the input: they are recomputed from the
-    input (same values, their tangents now right) and torch's decomposition runs on them."""
-    direct = interp.direct_ad
-    if direct is not None and direct.forward_mode:
-        mean, rstd = _statistics_with_tangents(interp, input, normalized_shape, mean, rstd)
-        return _layer_norm_backward_decomposition(
-            grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
-        )
+    A batched weight or bias (ensembles) goes through torch's decomposition."""
     if _any_batched(interp, weight, bias):
         return _layer_norm_backward_decomposition(
             grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
@@ -131,6 +119,19 @@ def _native_layer_norm_backward(interp, grad_out, input, normalized_shape, mean,
     if output_mask[2] and bias is not None:
         grad_bias = interp.wrap(go.sum(leading) if leading else go)
     return grad_input, grad_weight, grad_bias
+
+
+@UNDER_DIRECT_JVP.register(aten.native_layer_norm_backward.default)
+def _layer_norm_backward_with_tangents(
+    direct, interp, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+):
+    """Under a direct jvp level (forward AD on the physical tensors: forward-over-reverse
+    Hessian-vector products of batched primals, `vmap(jvp(grad(f)))`), `mean` and `rstd`
+    carry no tangent (torch's forward AD gives the statistics none), so every formula that
+    reads them would miss their dependence on the input: they are recomputed from the
+    input (same values, their tangents now right) and torch's decomposition runs on them."""
+    mean, rstd = _statistics_with_tangents(direct, input, normalized_shape, mean, rstd)
+    return _layer_norm_backward_decomposition(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
 
 
 # -- group norm -----------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running
     # layout allows (then nothing to write back), copy otherwise and write the update
     # back. A write-back onto the same memory would still bump the version counter of a
     # tensor autograd saved, breaking a later backward. An unbatched running stat in
-    # training mode (see `_input_batched_by_ad_level`) takes its update only once every
+    # training mode (`_batch_norm`'s `lifted`) takes its update only once every
     # element's update is checked equal: then every stat is a copy, so that nothing is
     # written before the check.
     shared_update = training and not all(interp.is_batched(s) for s in (running_mean, running_var) if s is not None)
@@ -285,20 +286,15 @@ def _batch_norm_unbatched_input(interp, input, weight, bias, running_mean, runni
     return interp.wrap(out), _batched_stat(interp, save_mean, False), _batched_stat(interp, save_invstd, False)
 
 
-def _input_batched_by_ad_level(interp) -> bool:
-    """Whether a direct AD level right inside this vmap gave an unbatched differentiated input
-    a batch dim (`vmap(grad(f), in_dims=(None, ...))`, README "grad, jacrev and jvp inside
-    vmap"). Then a batched input of batch norm may hold the same value for every element
-    (where torch.func, whose grad level keeps such inputs unbatched, sees it unbatched), and
-    training mode with an unbatched running stat is a per-sample program when every element
-    makes the same update to it: `_batch_norm_fold_channels` checks that on the values and
-    raises the usual error otherwise."""
-    direct = interp.direct_ad
-    return direct is not None and direct.lifts_buffers
-
-
-def _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
-    """native_batch_norm's batching rule: (out, save_mean, save_invstd)."""
+def _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps, lifted=False):
+    """native_batch_norm's batching rule: (out, save_mean, save_invstd). `lifted`: a direct AD
+    level right inside this vmap gave an unbatched differentiated input a batch dim
+    (`vmap(grad(f), in_dims=(None, ...))`, README "grad, jacrev and jvp inside vmap"). Then a
+    batched input may hold the same value for every element (where torch.func, whose grad
+    level keeps such inputs unbatched, sees it unbatched), and training mode with an
+    unbatched running stat is a per-sample program when every element makes the same update
+    to it: `_batch_norm_fold_channels` checks that on the values and raises the usual error
+    otherwise."""
     if not training and (running_mean is None or running_var is None):
         raise RuntimeError("batch_norm: running_mean and running_var must be defined in evaluation mode")
     weight, bias = _channel_vector(interp, weight), _channel_vector(interp, bias)
@@ -307,26 +303,11 @@ def _batch_norm(interp, input, weight, bias, running_mean, running_var, training
     stats_batched = [interp.is_batched(s) for s in stats]
     if not x_batched and (training or not any(stats_batched)):
         return _batch_norm_unbatched_input(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
-    if training and not all(stats_batched) and not _input_batched_by_ad_level(interp):
+    if training and not all(stats_batched) and not lifted:
         raise _unbatched_running_stats_error()
     if not training and not any(stats_batched):
         return _batch_norm_fold_n(interp, input, weight, bias, running_mean, running_var, momentum, eps)
     return _batch_norm_fold_channels(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
-
-
-@VMAP_RULES.register(aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
-def _native_batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps):
-    return _batch_norm(interp, input, weight, bias, running_mean, running_var, training, momentum, eps)
-
-
-@VMAP_RULES.register(aten._native_batch_norm_legit.no_stats)
-def _native_batch_norm_legit_no_stats(interp, input, weight, bias, training, momentum, eps):
-    return _batch_norm(interp, input, weight, bias, None, None, training, momentum, eps)
-
-
-@VMAP_RULES.register(aten._native_batch_norm_legit_no_training.default)
-def _native_batch_norm_legit_no_training(interp, input, weight, bias, running_mean, running_var, momentum, eps):
-    return _batch_norm(interp, input, weight, bias, running_mean, running_var, False, momentum, eps)
 
 
 def _with_reserve(interp, input, outputs):
@@ -335,16 +316,45 @@ def _with_reserve(interp, input, outputs):
     return (*outputs, interp.wrap(reserve))
 
 
-@VMAP_RULES.register(aten._batch_norm_with_update.default)
-def _batch_norm_with_update(interp, input, weight, bias, running_mean, running_var, momentum, eps):
-    outputs = _batch_norm(interp, input, weight, bias, running_mean, running_var, True, momentum, eps)
-    return _with_reserve(interp, input, outputs)
+def _same(i, w, b, rm, rv, t, m, e):
+    return i, w, b, rm, rv, t, m, e
 
 
-@VMAP_RULES.register(aten._batch_norm_no_update.default)
-def _batch_norm_no_update(interp, input, weight, bias, running_mean, running_var, momentum, eps):
-    outputs = _batch_norm(interp, input, weight, bias, running_mean, running_var, False, momentum, eps)
-    return _with_reserve(interp, input, outputs)
+# Each batch-norm op's arguments as (input, weight, bias, running_mean, running_var,
+# training, momentum, eps), and whether it also returns the `reserve` buffer.
+_BATCH_NORM_FORMS = {
+    aten.native_batch_norm.default: (_same, False),
+    aten._native_batch_norm_legit.default: (_same, False),
+    aten._native_batch_norm_legit.no_stats: (lambda i, w, b, t, m, e: (i, w, b, None, None, t, m, e), False),
+    aten._native_batch_norm_legit_no_training.default: (lambda i, w, b, rm, rv, m, e: (i, w, b, rm, rv, False, m, e), False),
+    aten._batch_norm_with_update.default: (lambda i, w, b, rm, rv, m, e: (i, w, b, rm, rv, True, m, e), True),
+    aten._batch_norm_no_update.default: (lambda i, w, b, rm, rv, m, e: (i, w, b, rm, rv, False, m, e), True),
+}
+
+
+def _batch_norm_rule(form, reserve, lifted):
+    def rule(interp, *args):
+        arguments = form(*args)
+        outputs = _batch_norm(interp, *arguments, lifted=lifted)
+        return _with_reserve(interp, arguments[0], outputs) if reserve else outputs
+
+    return rule
+
+
+def _batch_norm_override(form, reserve):
+    """Under a direct AD level that lifted buffers (`_batch_norm`'s `lifted`)."""
+    rule = _batch_norm_rule(form, reserve, lifted=True)
+
+    def override(direct, interp, *args):
+        return rule(interp, *args) if direct.lifts_buffers else NotImplemented
+
+    return override
+
+
+for _op, (_form, _reserve) in _BATCH_NORM_FORMS.items():
+    VMAP_RULES.set(_op, _batch_norm_rule(_form, _reserve, lifted=False))
+    UNDER_DIRECT_GRAD.set(_op, _batch_norm_override(_form, _reserve))
+    UNDER_DIRECT_JVP.set(_op, _batch_norm_override(_form, _reserve))
 
 
 _batch_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
@@ -354,16 +364,7 @@ _batch_norm_backward_decomposition = torch._decomp.decomposition_table[aten.nati
 def _native_batch_norm_backward(
     interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
 ):
-    """torch's decomposition, on this level's tensors. Under a direct jvp level (forward AD on
-    the physical tensors, `vmap(jvp(grad(f)))` of batched primals) the saved statistics of
-    training mode carry no tangent: they are recomputed from the input first (same values,
-    their tangents now right; see `_native_layer_norm_backward`)."""
-    direct = interp.direct_ad
-    if train and save_mean is not None and direct is not None and direct.forward_mode:
-        dims = [0, *range(2, input.dim())]
-        save_mean = input.mean(dims)
-        centered = input - save_mean.view(1, -1, *((1,) * (input.dim() - 2)))
-        save_invstd = (centered.pow(2).mean(dims) + eps).rsqrt()
+    """torch's decomposition, on this level's tensors."""
     out = _batch_norm_backward_decomposition(
         grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
     )
@@ -374,3 +375,22 @@ def _native_batch_norm_backward(
             interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
         )
     return out
+
+
+@UNDER_DIRECT_JVP.register(aten.native_batch_norm_backward.default)
+def _batch_norm_backward_with_tangents(
+    direct, interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
+    """Under a direct jvp level (forward AD on the physical tensors, `vmap(jvp(grad(f)))` of
+    batched primals) the saved statistics of training mode carry no tangent: they are
+    recomputed from the input first (same values, their tangents now right; see
+    `_layer_norm_backward_with_tangents`)."""
+    if not train or save_mean is None:
+        return NotImplemented
+    dims = [0, *range(2, input.dim())]
+    save_mean = input.mean(dims)
+    centered = input - save_mean.view(1, -1, *((1,) * (input.dim() - 2)))
+    save_invstd = (centered.pow(2).mean(dims) + eps).rsqrt()
+    return _native_batch_norm_backward(
+        interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+    )
