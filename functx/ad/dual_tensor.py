@@ -20,6 +20,7 @@ import torch
 
 from ..core.interpreter import EnteredTogether, functx_code
 from ..core.level_tensor import LevelTensor, wrapper_like
+from ..vmap.batched_tensor import BatchedTensor
 
 _restore_autograd = torch._C._RestorePythonTLSSnapshot
 make_dual = torch._make_dual
@@ -114,6 +115,36 @@ def tangent_like(like, primal, old):
             if not levels_of(other) <= levels_of(tangent):
                 tangent = _zeros_like_layout(other, tangent)  # laid out like `tangent`, so like `primal`
     return tangent if old is None else tangent.copy_(old)
+
+
+def lifted_tangent(tangent, primal):
+    """A copy of `tangent` made a tensor of the wrapped jvp levels `primal` is made of and it
+    is not, where that is all it lacks, its wrappers are vmap levels' and it is laid out like
+    `primal` already: those levels' wrappers with no tangent put around its (copied) values at
+    their places in the chain, with no op through the levels (`tangent_like` makes zeros
+    through every level and copies into them: under `jacfwd(jacfwd(f))` the inner basis
+    column took five dispatches at the outer levels). None where that does not hold."""
+    if tangent.stride() != primal.stride():
+        return None
+    missing = []
+    while isinstance(primal, LevelTensor):
+        if type(primal) is DualTensor:
+            missing.append(primal._interp)
+        primal = primal._value
+    chain = []
+    while isinstance(tangent, LevelTensor):
+        if type(tangent) is not BatchedTensor:
+            return None
+        chain.append(tangent._interp)
+        tangent = tangent._value
+    missing = [level for level in missing if level not in chain]
+    if not missing or not tangent.is_contiguous():
+        return None
+    levels = sorted(chain + missing, key=lambda level: level.level)  # innermost wrapper first
+    value = tangent.clone()  # the caller's tangent stays the caller's
+    for level in levels:
+        value = DualTensor(value, None, level) if level in missing else BatchedTensor(value, level)
+    return value
 
 
 def view_like(base_tangent, base, view):

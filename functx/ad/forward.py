@@ -383,13 +383,16 @@ def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
     per_output = []
     for col in flat_cols:
         out_shape = col.shape[1:]
-        pieces = col.split([x.numel() for x in flat_diff])
-        leaves = [
-            p.reshape((*x.shape, *out_shape)).movedim(
-                tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim()))
-            )
-            for p, x in zip(pieces, flat_diff)
-        ]
+        # (each step only where it changes something: under an outer transform every op here
+        # is a dispatch through its levels; jacfwd(jacfwd) of a vector input needs none)
+        pieces = col.split([x.numel() for x in flat_diff]) if len(flat_diff) > 1 else (col,)
+        leaves = []
+        for p, x in zip(pieces, flat_diff):
+            if x.dim() != 1:
+                p = p.reshape((*x.shape, *out_shape))
+            if x.dim() and out_shape:
+                p = p.movedim(tuple(range(x.dim())), tuple(range(len(out_shape), len(out_shape) + x.dim())))
+            leaves.append(p)
         per_output.append(pytree.tree_unflatten(diff_spec, leaves))
     jacobian = pytree.tree_unflatten(out_spec, per_output)
     return (jacobian, aux) if has_aux else jacobian

@@ -30,6 +30,7 @@ from ..core.forward_ad_state import user_forward_ad
 from ..core.level_tensor import LevelTensor
 from ..core.op_facts import is_inplace_view, is_view_of_first, mutated_argument, writes_out
 from ..core.rules import RuleTable
+from .aliased_writes import out_of_place_twin, read_before_write, reads_its_target
 from .dual_tensor import DualTensor, tangent_of
 
 aten = torch.ops.aten
@@ -462,8 +463,27 @@ def _inplace_view_template(op):
     return rule
 
 
+def _pointwise_write_template(op):
+    """An in-place pointwise op: torch's formula on duals, but where an operand shares the
+    target's memory (`v.mul_(v)`), the op out of place and copied in, through this level's
+    rules again (ad/aliased_writes.py: torch's formula would read the operand after the write)."""
+    twin, general = out_of_place_twin(op), _general(op)
+
+    def rule(level, *args, **kwargs):
+        target = args[0]
+        if reads_its_target(target, (*args[1:], *kwargs.values())):
+            before, kw_before = read_before_write(args, kwargs)
+            out = twin(*before, **kw_before)
+            if out.shape == target.shape:
+                return aten.copy_.default(target, out)
+        return general(level, *args, **kwargs)
+
+    return rule
+
+
 JVP_RULES.add_template(lambda op: is_out_of_place(op) and is_view_of_first(op), _linear_template)
 JVP_RULES.add_template(is_inplace_view, _inplace_view_template)
+JVP_RULES.add_template(lambda op: out_of_place_twin(op) is not None, _pointwise_write_template)
 
 
 def _zero(op):

@@ -40,6 +40,7 @@ from ..core.factories import FACTORIES
 from ..core.interpreter import functx_code
 from ..core.level_tensor import LevelTensor, call_at_values, level_of
 from ..core.torch_function import CallHandler, call_outer, seen_by_outer
+from .aliased_writes import written_out_of_place
 
 
 class FactoryLifting(CallHandler):
@@ -60,6 +61,9 @@ class FactoryLifting(CallHandler):
                 out = rule(level, args, kwargs)
             if out is not NotImplemented:
                 return out
+        out = written_out_of_place(func, args, kwargs, lambda f, a, k: call_outer(f, types, a, k))
+        if out is not NotImplemented:  # `v.mul_(v)` (ad/aliased_writes.py)
+            return out
         if func in _TO_NUMPY and _constant_of(level, args[0]):
             # a constant of the level (a non-differentiated argument, ADLevel.own, or a
             # factory's result) leaves torch as its value does, as it did before it was wrapped
@@ -240,6 +244,11 @@ class CapturedWrites(CallHandler):
             if in_place:
                 with functx_code():
                     self._check(func, args, {}, True)
+        if writes_first:  # `v.mul_(v)`: out of place, then copied in (ad/aliased_writes.py)
+            with functx_code():
+                out = written_out_of_place(func, args, kwargs, self._call(types))
+            if out is not NotImplemented:
+                return out
         # (the common case, no handler outside this one, without a call of `call_outer`)
         out = call_outer(func, types, args, kwargs) if self.mode.depth else func(*args, **kwargs)
         # A call may return a tensor it was given (an in-place op its target, `contiguous()`
@@ -255,6 +264,12 @@ class CapturedWrites(CallHandler):
         else:
             _mark_made(out, self.number, args)
         return out
+
+    def _call(self, types):
+        """How this handler's own calls go on: to the outer handlers, if any, and torch."""
+        if self.mode.depth:
+            return lambda f, a, k: call_outer(f, types, a, k)
+        return lambda f, a, k: f(*a, **k)
 
     def _check(self, func, args, kwargs, in_place):
         if in_function_body():  # a Function's own staticmethods (core/custom_function.py)

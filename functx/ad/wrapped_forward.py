@@ -71,6 +71,7 @@ from .dual_tensor import (
     DualTensor,
     as_outside,
     levels_of,
+    lifted_tangent,
     load_forward_decompositions,
     make_duals,
     overlaps,
@@ -198,7 +199,8 @@ class WrappedJvpLevel(WrappedLevel):
         ):
             # laid out like the primal, and a tensor of the levels the primal lives at: torch's
             # formulas write into tangents in place (`sin_`), with values of those levels
-            tangent = tangent_like(tangent, primal, tangent)
+            lifted = lifted_tangent(tangent, primal)
+            tangent = tangent_like(tangent, primal, tangent) if lifted is None else lifted
         return DualTensor(primal, tangent, self)
 
     def unpack(self, x):

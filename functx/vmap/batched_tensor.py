@@ -81,6 +81,11 @@ def _fallback_factory(op):
 VMAP_RULES = RuleTable("vmap", fallback=_fallback_factory, guard=per_sample_checked)
 """The batching-rule table: `@VMAP_RULES.register(aten.op.overload)` in family files."""
 
+WHOLE_CALL_RULES: dict = {}
+"""Torch functions a vmap level takes whole before they decompose, `rule(interp, args,
+kwargs)` (NotImplemented: not here), filled by vmap/rules/whole_calls.py; the level's call
+handler consults them while nothing rides on the level (`VmapInterpreter.whole_calls`)."""
+
 UNDER_DIRECT_GRAD = Overrides("vmap under a direct grad level", rider="direct_ad")
 """What a direct grad level (ad/direct_reverse.py) changes about vmap's rules while it rides
 on the physical tensors (`VmapInterpreter.direct_ad`): products, embeddings and shared-weight

@@ -24,7 +24,7 @@ from ..core.forward_ad_state import user_forward_ad
 from ..core.interpreter import EnteredTogether, Interpreter
 from ..core.level_tensor import LevelTensor, promote_for_write, refresh_views
 from ..core.op_facts import mutated_argument
-from .batched_tensor import RULES_USING_AUTOGRAD, SPECIAL_RULES, VMAP_RULES, BatchedTensor
+from .batched_tensor import RULES_USING_AUTOGRAD, SPECIAL_RULES, VMAP_RULES, WHOLE_CALL_RULES, BatchedTensor
 from .chain import peel
 from .custom_function import apply_at_vmap_level
 
@@ -84,12 +84,13 @@ def _reaches_only_finished_leaves(node, limit: int = 1000) -> bool:
 
 
 _UNCHANGED = object()
+_NO_WHOLE_CALLS: dict = {}
 
 
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of", "values_record_graphs")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of", "values_record_graphs", "whole_calls")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -134,6 +135,9 @@ class VmapInterpreter(Interpreter):
         # inside reports (not under a direct jvp level, whose values carry tangents)
         self.values_record_graphs = self.direct_ad is None or not self.direct_ad.forward_mode
         self.handler_of = VMAP_RULES.handler if overrides is None else VMAP_RULES.handler_under(overrides)
+        # torch calls taken whole (vmap/rules/whole_calls.py): only with nothing riding here
+        plain = self.direct_ad is None and not self.ad_above and not self.over_dual_values
+        self.whole_calls = WHOLE_CALL_RULES if plain else _NO_WHOLE_CALLS
         if self.ad_above:
             # torch's autograd and forward AD record on this level's wrappers, above: the
             # rules run below autograd, but for those that run torch's autograd themselves

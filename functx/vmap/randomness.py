@@ -158,6 +158,11 @@ class RandomnessMode(CallHandler):
         kind = _RANDOM_FUNCS.get(func)
         interp = self.interp
         if kind is None:
+            whole = interp.whole_calls.get(func)
+            if whole is not None and interp.lifted_bases is None and not (_lowered.interps and interp in _lowered.interps):
+                out = whole(interp, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             python_body = _written_in_python(func)
             direct = interp.direct_ad
             lifts = direct is not None and func in FACTORIES and direct.lifts_buffers

@@ -368,6 +368,34 @@ class Op:
                 return w
 
             return fn, s, f"w = {a}.clone(); w.add_({un}); {{out}} = w"
+        if name == "clone_self_":  # an in-place op reading its own target (`w.mul_(w)`)
+            kind = p["kind"]
+            in_place = {
+                "mul_": lambda w: w.mul_(w),
+                "imul": lambda w: w.__imul__(w),
+                "addcmul_": lambda w: w.addcmul_(w, w),
+                "hypot_": lambda w: w.hypot_(w),
+                "mul_view": lambda w: w.mul_(w.view_as(w)),
+            }[kind]
+            # plain torch's forward AD of these reads the operand after the write (a wrong
+            # tangent) and its autograd refuses them: the reference runs them out of place
+            out_of_place = {
+                "mul_": lambda w: w * w,
+                "imul": lambda w: w * w,
+                "addcmul_": lambda w: w + w * w,
+                "hypot_": lambda w: torch.hypot(w, w),
+                "mul_view": lambda w: w * w,
+            }[kind]
+
+            def fn(vals):
+                w = vals[cur].clone()
+                if _transform_library():
+                    in_place(w)
+                    return w
+                return out_of_place(w)
+
+            call = {"imul": "w *= w", "mul_view": "w.mul_(w.view_as(w))", "addcmul_": "w.addcmul_(w, w)"}.get(kind, f"w.{kind}(w)")
+            return fn, s, f"w = {a}.clone(); {call}; {{out}} = w"
         if name == "clone_sin_":
 
             def fn(vals):
@@ -519,7 +547,7 @@ FAMILIES = {
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
     "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
-    "inplace": ["clone_mul_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
+    "inplace": ["clone_mul_", "clone_self_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
     "detach": ["detach_mul", "detach_add"],
     "function": ["function"],
     "factory": ["arange", "tensor_lit", "new_tensor", "as_tensor"],
@@ -580,6 +608,8 @@ def draw_op(draw, names, shapes, cur):
         if name == "const":
             p["kind"] = draw(st.sampled_from(["mul", "add"]))
         p["seed"] = draw(st.integers(0, 9))
+    elif name == "clone_self_":
+        p["kind"] = draw(st.sampled_from(["mul_", "imul", "addcmul_", "hypot_", "mul_view"]))
     elif name in ("binary", "clone_add_"):
         if name == "binary":
             p["kind"] = draw(st.sampled_from(["mul", "add", "sub", "div"]))

@@ -17,4 +17,5 @@ from . import (  # noqa: F401
     random,
     reductions,
     views,
+    whole_calls,
 )
