@@ -215,6 +215,6 @@ def load_forward_decompositions():
     too). It takes 0.3 s: the first jvp pays it, not `import functx`."""
     global _forward_decompositions_loaded
     if not _forward_decompositions_loaded:
-        import torch._decomp.decompositions_for_jvp  # noqa: F401
+        import torch._decomp.decompositions_for_jvp  # noqa: F401  (registers the decompositions)
 
         _forward_decompositions_loaded = True
