@@ -77,6 +77,12 @@ failing test stops generating early):
 
     FUNCTX_FUZZ_EXAMPLES=5000 .venv/bin/python -m pytest tests/ad/test_fuzz_transforms.py -q -p no:xdist
 
+The examples are the same on every run (derandomized, so CI is reproducible). To explore
+others, set FUNCTX_FUZZ_SEED: the run draws from that seed instead (a failure names the seed
+to rerun it with):
+
+    FUNCTX_FUZZ_SEED=7 FUNCTX_FUZZ_EXAMPLES=3000 .venv/bin/python -m pytest tests/ad/test_fuzz_transforms.py -q -n 2
+
 A failing fuzz test prints its shrunk `Case(...)`; hypothesis reports each distinct error
 (exception type and place) it found, so one run can list several.
 """
@@ -92,7 +98,7 @@ import torch
 import torch.func
 import torch.nn.functional as F
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
-from hypothesis import HealthCheck, assume, currently_in_test_context, event, given, settings
+from hypothesis import HealthCheck, assume, currently_in_test_context, event, given, seed, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_leaves
 
@@ -108,8 +114,10 @@ MAX_NUMEL, MAX_NDIM = 16, 3  # bound on every intermediate value of a program
 SQUASH_ABOVE, SQUASH_TO = 12, 6  # transform outputs larger than this are projected
 RTOL = ATOL = 1e-6
 
+SEED = os.environ.get("FUNCTX_FUZZ_SEED")
+
 FUZZ = settings(
-    derandomize=True,
+    derandomize=SEED is None,
     database=None,
     deadline=None,
     max_examples=EXAMPLES,
@@ -2307,3 +2315,9 @@ def test_ill_conditioned_programs_are_judged_within_the_references_rounding_nois
     check(ill)
     check(well)
 
+
+
+if SEED is not None:  # FUNCTX_FUZZ_SEED: the fuzz tests draw from that seed (module docstring)
+    for _name, _test in list(globals().items()):
+        if _name.startswith("test_fuzz"):
+            globals()[_name] = seed(int(SEED))(_test)
