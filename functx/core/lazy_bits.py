@@ -17,7 +17,9 @@ lets the view through unresolved to the level, whose rule calls the op on the va
 in the state they are differentiated in; there (no level tensor among the operands) it does
 what torch's fallback does for an out-of-place op, resolving below the autograd and forward
 AD that have already recorded the op with the view itself. Ops that pass the bit through
-(mm, bmm, dot, copy_, clone, views) keep torch's handling: their kernels read it.
+(copy_, clone, views; the matrix products' conjugate bit) keep torch's handling: their
+kernels read it; the matrix products get functx's kernel at the keys they have none for
+(`PRODUCTS`: a negative view, `z.conj().imag`).
 
 Efficient zeros (`torch._efficientzerotensor`, the tangents torch's forward AD formulas
 leave where a tangent is structurally zero) are a lazy bit too. torch's ZeroTensor kernels
@@ -67,6 +69,23 @@ OPS = (
     aten.lerp.Scalar,
     aten.cat.default,
     aten.stack.default,
+)
+
+# Matrix products: their kernels read a conjugate bit (most of them), but a negative view
+# (`z.conj().imag`) goes to torch's materializing fallback, which lost the view's path under
+# jacrev(jacrev) (the second derivative of `m.mT @ m` came out zero). functx's kernel goes
+# at each key where torch has none of its own (`_register`).
+PRODUCTS = (
+    aten.mm.default,
+    aten.bmm.default,
+    aten.mv.default,
+    aten.dot.default,
+    aten.vdot.default,
+    aten.addmm.default,
+    aten.addmv.default,
+    aten.addbmm.default,
+    aten.baddbmm.default,
+    aten.addr.default,
 )
 
 
@@ -155,6 +174,10 @@ def _register():
     for op in OPS:
         for key in ("Conjugate", "Negative"):
             library.impl(_schema_name(op), _kernel(op), key, with_keyset=True)
+    for op in PRODUCTS:
+        for key in (_CONJUGATE, _NEGATIVE):
+            if not op.has_kernel_for_dispatch_key(key):  # torch's fallback would materialize
+                library.impl(_schema_name(op), _kernel(op), key.name, with_keyset=True)
     with warnings.catch_warnings():  # torch warns that these replace its ZeroTensor kernels
         warnings.filterwarnings("ignore", "Warning only once for all operators")
         for op in ZERO_OPS:

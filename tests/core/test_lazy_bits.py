@@ -72,3 +72,39 @@ def test_callers_gradient_through_a_jacobian_of_a_jvp_with_structural_zero_tange
     (expected_caller,) = torch.autograd.grad(expected.sin().sum(), x)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(got_caller, expected_caller)
+
+
+D = torch.float64
+# products of a negative view (`z.conj().imag` is one), each a function R^(2x3) -> tensor
+NEG_PRODUCTS = {
+    "mm": lambda m: torch.mm(m.mT, m),
+    "bmm": lambda m: torch.bmm(m[None], m.mT[None]),
+    "mv": lambda m: torch.mv(m, m[0]),
+    "dot": lambda m: torch.dot(m[0], m[1]).reshape(1),
+    "addmm": lambda m: torch.addmm(m[0], m.mT, m),
+    "addmv": lambda m: torch.addmv(m[:, 0], m, m[1]),
+    "baddbmm": lambda m: torch.baddbmm(m.mT[None] @ m[None], m.mT[None], m[None]),
+    "addr": lambda m: torch.addr(m.mT @ m, m[0], m[1]),
+    "matmul": lambda m: m @ m[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEG_PRODUCTS))
+@pytest.mark.parametrize("view", ["conj_imag", "neg_view"])
+def test_matrix_products_of_a_negative_view_keep_its_path_at_second_order(name, view):
+    """`z.conj().imag` is a lazy negative view; torch's Negative fallback materialized it below
+    autograd, and under jacrev(jacrev) the second derivative of `m.mT @ m` came out zero."""
+    product = NEG_PRODUCTS[name]
+
+    def f(x):
+        m = (x * (1 + 2j)).conj().imag if view == "conj_imag" else torch._neg_view(x * 2)
+        return product(m)
+
+    x = torch.randn(2, 3, dtype=D)
+    reference = torch.autograd.functional.jacobian(lambda y: torch.autograd.functional.jacobian(f, y, create_graph=True), x)
+    torch.testing.assert_close(functx.jacrev(functx.jacrev(f))(x), reference)
+    if view == "conj_imag":  # (jacfwd over `torch._neg_view` meets torch's view-layout assert, issue 27)
+        torch.testing.assert_close(functx.jacfwd(functx.jacrev(f))(x), reference)
+    out, vjp_fn = functx.vjp(functx.jacrev(f), x)
+    ct = torch.randn(out.shape, dtype=D)
+    torch.testing.assert_close(vjp_fn(ct)[0], torch.tensordot(ct, reference, dims=ct.dim()))
