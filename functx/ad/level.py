@@ -207,11 +207,11 @@ def _alias(level, args, kwargs):
     x = args[0]
     if isinstance(x, LevelTensor) and x._interp is level:
         return level.cut(x)
-    return None
+    return NotImplemented
 
 
 def _detach(level, args, kwargs):
-    return None if is_user_detach() else _alias(level, args, kwargs)
+    return NotImplemented if is_user_detach() else _alias(level, args, kwargs)
 
 
 def _same_size(level, args, kwargs):
@@ -225,7 +225,7 @@ def _same_storage_numel(level, args, kwargs):
 
 def _to_meta(level, args, kwargs):
     if kwargs.get("device") != _META:
-        return None
+        return NotImplemented
     x = args[0]
     return torch.empty_strided(x.shape, x.stride(), dtype=kwargs.get("dtype") or x.dtype, device=_META)
 
@@ -243,4 +243,6 @@ AT_THIS_LEVEL = {
     aten._has_same_storage_numel.default: _same_storage_numel,
     aten.to.dtype_layout: _to_meta,
 }
-"""op -> handler(level, args, kwargs) returning the result, or None to run the op one level down."""
+"""op -> handler(level, args, kwargs) returning the result, or NotImplemented to run the op one
+level down (core/rules.answered_first)."""
+

@@ -64,6 +64,7 @@ from ..core.level_tensor import (
     replay_inplace_view,
 )
 from ..core.op_facts import is_inplace_view, mutated_argument, writes_out
+from ..core.rules import answered_first, refreshing_views
 from .custom_function import apply_at_jvp_level
 from .dual_tensor import (
     LIST_MARK,
@@ -179,6 +180,9 @@ class WrappedJvpLevel(WrappedLevel):
         else:
             self.lower = _restore_autograd if self.prev_fwd_grad_mode else _restored_forward_off
             self._lower_without_tangents = _restored_forward_off
+        self.handler_of = _HANDLERS
+        if self.lifted_bases is not None:
+            self.handler_of = refreshing_views(_HANDLERS)
 
     def apply_function(self, function, args, kwargs):
         """An autograd.Function whose arguments hold this level's tensors: applied one level
@@ -224,22 +228,7 @@ class WrappedJvpLevel(WrappedLevel):
         """A new DualTensor with the same primal and tangent (an alias torch's autograd uses)."""
         return DualTensor(x._value, tangent_of(x), self)
 
-    # -- one op ------------------------------------------------------------------------------
-    def process(self, op, args, kwargs):
-        """The op's rule (ad/jvp_rules.py: its own, a template, or torch's formula on duals
-        made for this op only), computing one level down under `lower()`; the ops torch's
-        autograd asks about this level's wrappers answered here first (`AT_THIS_LEVEL`)."""
-        here = AT_THIS_LEVEL.get(op)
-        if here is not None:
-            out = here(self, args, kwargs)
-            if out is not None:
-                return out
-        if self.lifted_bases is not None:
-            refresh_views(self, (*args, *kwargs.values()))
-        if not user_forward_ad():
-            return self._without_tangents(op, args, kwargs)
-        return JVP_RULES.handler(op)(self, *args, **kwargs)
-
+    # -- one op: `handler_of(op)`, `_handler` at the end --------------------------------------
     def on_duals(self, op, args, kwargs):
         """The general way, torch's own formula: torch duals of the primals and tangents, for
         this op only (of the values, or of carriers), the op on them with torch's forward AD
@@ -515,3 +504,19 @@ def _all_plain(*groups) -> bool:
     return all(_plain(x) for group in groups for x in group)
 
 
+def _handler(op, rule):
+    """The whole of `op` at a jvp level, from its forward rule `rule` (ad/jvp_rules.py: its
+    own, a template, or torch's formula on duals made for this op only), which enters the
+    level's `lower()` to compute one level down; under the user's
+    `_set_fwd_grad_enabled(False)` the op without tangents (`_without_tangents`); the ops
+    torch's autograd asks about this level's wrappers answered here first (`AT_THIS_LEVEL`)."""
+
+    def handle(level, args, kwargs):
+        if not user_forward_ad():
+            return level._without_tangents(op, args, kwargs)
+        return rule(level, *args, **kwargs)
+
+    return answered_first(AT_THIS_LEVEL, op, handle)
+
+
+_HANDLERS = JVP_RULES.lookup(_handler)

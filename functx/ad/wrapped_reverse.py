@@ -8,7 +8,7 @@ then run on GradTensors and re-dispatch through the lower levels, so every torch
 derivative, `autograd.Function.backward` and `torch.library` autograd registration works
 at every level and composes.
 
-Two traps, both handled in `process`:
+Two traps, both handled in each op's handler (`_handler`, at the end):
 - autograd is switched off inside `__torch_dispatch__`; the op one level down runs with it
   restored (`_RestorePythonTLSSnapshot`) so lower grad levels record their own graphs;
 - autograd detaches saved outputs through `aten.detach`: that must cut only this level's
@@ -29,7 +29,6 @@ from ..core.level_tensor import (
     call_at_values,
     mutated_argument,
     promote_for_write,
-    refresh_views,
     replay_inplace_view,
     view_as_real_resolved,
     wrapper_like,
@@ -37,6 +36,7 @@ from ..core.level_tensor import (
 from ..vmap.batched_tensor import wrapper_requires_grad
 from ..vmap.interpreter import VmapInterpreter
 from ..core.op_facts import is_inplace_view
+from ..core.rules import answered_first, refreshing_views, resolved_once
 from .custom_function import apply_at_grad_level
 from .level import AT_THIS_LEVEL, WrappedLevel, autograd_grad
 from .lifting import raise_captured_write
@@ -105,6 +105,10 @@ class WrappedGradLevel(WrappedLevel):
             self.lower, self._lower_into_vmap = _restore_autograd, _no_context_factory
         else:
             self.lower, self._lower_into_vmap = _restore_without_grad, torch.no_grad
+        # `handler_of`: each op's handler, `_handler`
+        self.handler_of = _HANDLERS_OVER_DUAL_VALUES if self.over_dual_values else _HANDLERS
+        if self.lifted_bases is not None:
+            self.handler_of = refreshing_views(self.handler_of)
 
     def apply_function(self, function, args, kwargs):
         """An autograd.Function whose arguments hold this level's tensors: its single-level
@@ -151,51 +155,6 @@ class WrappedGradLevel(WrappedLevel):
 
     wrap = lift  # autograd.Function outputs at this level (custom_function.py)
 
-    # -- one op ------------------------------------------------------------------------------
-    def process(self, op, args, kwargs):
-        """One level down: the op on this level's wrappers' values, with autograd restored (the
-        levels below record it) and the grad mode of outside the transform; torch's autograd
-        records the op on the wrappers themselves, above."""
-        here = AT_THIS_LEVEL.get(op)
-        if here is not None:
-            out = here(self, args, kwargs)
-            if out is not None:
-                return out
-        if self.lifted_bases is not None:
-            refresh_views(self, (*args, *kwargs.values()))
-        mutated = mutated_argument(op)
-        if mutated is not None:
-            if type(args[mutated]) is GradTensor and args[mutated]._interp is self:
-                promote_for_write(args[mutated], args)
-            else:
-                self._check_write_into_foreign(op, args)
-        unwrap = self._unwrap
-        values = [
-            a._value if type(a) is GradTensor and a._interp is self
-            else unwrap(a) if type(a) is list or type(a) is tuple
-            else a
-            for a in args
-        ]
-        kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if op is _view_as_real and values[0].is_conj():
-            # The wrapper of a lazily conjugated value does not carry the conj bit itself
-            # (copying it breaks second-order gradients of complex ops), so user-level
-            # `resolve_conj()` never reached the value: resolve it here, with the op, where
-            # the levels below record it (resolved outside, its graph was lost: a third
-            # derivative through `x.conj().real` was wrong)
-            op = view_as_real_resolved
-        # A vmap rule restores autograd for the physical values itself; restoring it here
-        # too would also record the op on the BatchedTensor wrappers: a second graph nobody
-        # differentiates (and its saved-tensor detaches).
-        with (self._lower_into_vmap if _lands_in_vmap(values) else self.lower)():
-            if self.over_dual_values:  # core/dual_values.py
-                out = call_at_values(op, values, kw_values, down_state())
-            else:
-                out = op(*values, **kw_values)
-        if mutated is None and isinstance(out, torch.Tensor):  # the common case
-            return GradTensor(out, self)
-        return self._wrap_result(op, args, mutated, out)
-
     def _check_write_into_foreign(self, op, args):
         """An in-place write into a tensor that is not this level's, of a value this level
         differentiates, would record this level's history on a lower level's object."""
@@ -234,3 +193,70 @@ class WrappedGradLevel(WrappedLevel):
 
     def detach_dead(self, x):
         return GradTensor(x._value, self)  # cut the dead level's graph only, as in process
+
+
+# -- one op: `WrappedGradLevel.handler_of(op)`, made once per op by `_handler` ---------------------
+def _handler(op, over_dual_values):
+    """The whole of `op` at a grad level: the op on the wrappers' values one level down,
+    with autograd restored (the levels below record it) and the grad mode of outside the
+    transform, its results wrapped (torch's autograd records the op on the wrappers
+    themselves, above); for an in-place op the write's bookkeeping first; for the ops
+    torch's autograd asks about this level's wrappers their answer here (`AT_THIS_LEVEL`).
+    Over a jvp level on values, the op is called so that its tangents flow one level
+    down (core/dual_values.py)."""
+    mutated = mutated_argument(op)
+    call = _view_as_real_at_level if op is _view_as_real else op
+
+    def handle(level, args, kwargs):
+        unwrap = level._unwrap
+        values = [
+            a._value if type(a) is GradTensor and a._interp is level
+            else unwrap(a) if type(a) is list or type(a) is tuple
+            else a
+            for a in args
+        ]
+        kw_values = {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
+        # A vmap rule restores autograd for the physical values itself; restoring it here
+        # too would also record the op on the BatchedTensor wrappers: a second graph nobody
+        # differentiates (and its saved-tensor detaches).
+        with (level._lower_into_vmap if _lands_in_vmap(values) else level.lower)():
+            if over_dual_values:
+                out = call_at_values(call, values, kw_values, down_state())
+            else:
+                out = call(*values, **kw_values)
+        if mutated is None and isinstance(out, torch.Tensor):  # the common case
+            return GradTensor(out, level)
+        return level._wrap_result(op, args, mutated, out)
+
+    if mutated is not None:
+        handle = _writing(mutated, handle, op)
+    return answered_first(AT_THIS_LEVEL, op, handle)
+
+
+def _writing(mutated, handle, op):
+    """An in-place op: a target of this level gets a value of every level the written values
+    belong to (`promote_for_write`); a write of this level's differentiated values into a
+    tensor not its own is refused (`_check_write_into_foreign`)."""
+
+    def write(level, args, kwargs):
+        target = args[mutated]
+        if type(target) is GradTensor and target._interp is level:
+            promote_for_write(target, args)
+        else:
+            level._check_write_into_foreign(op, args)
+        return handle(level, args, kwargs)
+
+    return write
+
+
+def _view_as_real_at_level(x):
+    """`view_as_real` one level down. The wrapper of a lazily conjugated value does not
+    carry the conj bit itself (copying it breaks second-order gradients of complex ops), so
+    user-level `resolve_conj()` never reached the value: resolve it here, with the op, where
+    the levels below record it (resolved outside, its graph was lost: a third derivative
+    through `x.conj().real` was wrong)."""
+    return view_as_real_resolved(x) if x.is_conj() else _view_as_real(x)
+
+
+_HANDLERS = resolved_once(lambda op: _handler(op, over_dual_values=False))
+_HANDLERS_OVER_DUAL_VALUES = resolved_once(lambda op: _handler(op, over_dual_values=True))

@@ -55,20 +55,28 @@ class _ThreadStack(threading.local):
 _stack = _ThreadStack()
 
 
+Handler = Callable[["Interpreter", tuple, dict], Any]
+"""`handle(level, args, kwargs)`: the whole of one ATen op at one level, entering the level's
+`lower()` where it computes one level down (core/rules.py makes them from rules)."""
+
+
 class Interpreter:
     """Base class of a transform's interpreter: a level on the stack plus a `process` method.
 
     `process(op, args, kwargs)` runs one ATen op whose arguments hold level tensors of
     this level (and maybe values from lower levels); it must return the op's result
-    with this level's outputs wrapped.
+    with this level's outputs wrapped. It is `handler_of(op)(self, args, kwargs)`: the
+    level's handler of the op, resolved once per op for what lies around the level (set by
+    `refresh`), which enters `lower()` to compute one level down.
     """
 
-    __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "lower", "__weakref__")
+    __slots__ = ("level", "alive", "over_dual_values", "lifted_bases", "lower", "handler_of", "__weakref__")
     level: int
     alive: bool
     over_dual_values: bool
     lifted_bases: dict | None
     lower: Callable[[], ContextManager]
+    handler_of: Callable[[torch._ops.OpOverload], Handler]
 
     def __init__(self):
         self.level = next(_level_counter)
@@ -83,8 +91,11 @@ class Interpreter:
         self.lifted_bases = None
         Interpreter.refresh(self)  # (a subclass calls its own `refresh` once its state is set)
 
-    def process(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def process(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """One ATen op at this level: look up its handler, which enters `lower()` and calls
+        the op's rule (or answers in __torch_dispatch__'s own state, for the questions
+        torch's autograd asks about this level's wrappers)."""
+        return self.handler_of(op)(self, args, kwargs)
 
     # Whether an autograd.Function applied to plain tensors only (no level's among its
     # arguments) comes to this level's `apply_function` (the innermost such live level): a
@@ -102,11 +113,13 @@ class Interpreter:
 
     def refresh(self) -> None:
         """Set `self.lower`: a zero-argument callable whose context is "one level down" for
-        this level (the dispatch state its rules compute with the values in). Decided here,
-        from what lies around the level, at creation and whenever that changes (an AD level
-        starts or stops riding on a vmap level), never per op. By default, outside's state
-        restored (`torch._C._RestorePythonTLSSnapshot`)."""
+        this level (the dispatch state its rules compute with the values in), and
+        `self.handler_of`, the lookup of its handlers. Decided here, from what lies around
+        the level, at creation and whenever that changes (an AD level starts or stops riding
+        on a vmap level; the level lifts a base, `lifted_bases`), never per op. By default,
+        outside's state restored (`torch._C._RestorePythonTLSSnapshot`) and no handlers."""
         self.lower = torch._C._RestorePythonTLSSnapshot
+        self.handler_of = _no_handlers
 
     def pushed(self) -> None:
         """Called when the interpreter goes on the stack (set-up it needs; none by default)."""
@@ -134,6 +147,10 @@ class Interpreter:
     def __repr__(self):
         state = "" if self.alive else ", dead"
         return f"{type(self).__name__}(level={self.level}{state})"
+
+
+def _no_handlers(op):  # pragma: no cover - a level that processes ops sets its own
+    raise NotImplementedError(f"{op}: this level has no handlers")
 
 
 def current_stack() -> tuple[Interpreter, ...]:

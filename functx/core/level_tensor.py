@@ -181,6 +181,7 @@ def promote_for_write(target, args) -> None:
         base._value = _lifted(base._value, below, top)
         if interp.lifted_bases is None:
             interp.lifted_bases = {}
+            interp.refresh()  # its handlers now refresh views of the lifted base first
         interp.lifted_bases[id(base)] = base
         target._value = _same_view(base._value, value)
         return

@@ -14,9 +14,11 @@ dispatcher meets an op, the table resolves a handler once and caches it:
 A table made with `otherwise` (forward mode: torch's own formula on duals) uses
 `otherwise(op)` after the rules and templates, instead of 1c-4.
 
-A level of another kind riding on a level of this table (a direct AD level on a vmap level's
-physical tensors) brings its own `Overrides`: `table.handler_under(overrides)` is the lookup
-while it rides, each overridden op trying the rider's rule first.
+A level's `handler_of` (core/interpreter.py) is `table.lookup(compose, overrides)`: each
+op's handler made once by `compose(op, rule)` (what the level does around the rule: write
+bookkeeping, entering its `lower()`), and kept. A level of another kind riding on a level of
+this table (a direct AD level on a vmap level's physical tensors) brings its own
+`Overrides`, each overridden op trying the rider's rule first while it rides.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import torch._decomp
 
 from .errors import op_name
-from .level_tensor import replay_inplace_view
+from .level_tensor import refresh_views, replay_inplace_view
 from .op_facts import is_inplace_view
 
 _decompositions = torch._decomp.decomposition_table
@@ -75,16 +77,17 @@ class RuleTable:
         self.guard = guard
         self.templates: list[tuple[Callable[[Op], bool], Callable[[Op], Rule]]] = []
         self._handlers: dict[Op, Rule] = {}
-        self._lookups_under: dict[Overrides, Callable[[Op], Rule]] = {}
+        self._lookups: dict[tuple, Callable[[Op], Any]] = {}
+        self._caches: list[dict] = [self._handlers]  # every resolved-handler cache made here
 
     def _changed(self, op=None):
-        """Forget resolved handlers (of `op`, or all) after a rule or template changed."""
-        if op is None:
-            self._handlers.clear()
-        else:
-            self._handlers.pop(op, None)
-        for overrides in self._lookups_under:
-            overrides.forget(self)
+        """Forget resolved handlers (of `op`, or all) after a rule, template or override
+        changed, in every lookup made from this table."""
+        for cache in self._caches:
+            if op is None:
+                cache.clear()
+            else:
+                cache.pop(op, None)
 
     def add_template(self, predicate: Callable[[Op], bool], factory: Callable[[Op], Rule]) -> None:
         """Ops without a registered rule for which `predicate(op)` holds get `factory(op)`."""
@@ -113,23 +116,44 @@ class RuleTable:
             handler = self._handlers[op] = self._resolve(op)
         return handler
 
-    def handler_under(self, overrides: Overrides) -> Callable[[Op], Rule]:
-        """The handler lookup of a level of this table while a rider with `overrides` rides
-        on it: `handler`'s, but an op the rider overrides tries the rider's rule first (inside
-        the table's guard), and the table's own handler where that declines. Resolved once per
-        op and kept, like `handler`."""
-        lookup = self._lookups_under.get(overrides)
+    def lookup(self, compose: Callable[[Op, Rule], Any] | None = None, overrides: Overrides | None = None):
+        """A handler lookup `op -> compose(op, handler)` for a level of this table: `handler` is
+        the table's (`handler(op)`), or, while a rider with `overrides` rides on the level, the
+        rider's rule first for an op it overrides (inside the table's guard) and the table's
+        own handler where that declines; `compose` makes the level's whole handling of one op
+        from it (vmap/interpreter.py: its write bookkeeping, its `lower()`). Resolved once per
+        op and kept; one lookup per (compose, overrides); forgotten when a rule changes.
+
+            >>> from functx.vmap.batched_tensor import VMAP_RULES
+            >>> import torch
+            >>> compose = lambda op, rule: (op.__name__, rule)
+            >>> lookup = VMAP_RULES.lookup(compose)
+            >>> lookup(torch.ops.aten.sin.default)[0], lookup is VMAP_RULES.lookup(compose)
+            ('sin.default', True)
+            >>> lookup(torch.ops.aten.sin.default) is lookup(torch.ops.aten.sin.default)  # resolved once
+            True
+        """
+        key = (compose, overrides)
+        lookup = self._lookups.get(key)
         if lookup is None:
-            resolved = overrides.resolved_for(self)
+            resolved = {}
+            self._caches.append(resolved)
+            if overrides is not None:
+                overrides.tables.add(self)
 
             def lookup(op):
                 handler = resolved.get(op)
                 if handler is None:
-                    handler = resolved[op] = self._resolve(op, overrides)
+                    handler = self._resolve(op, overrides)
+                    handler = resolved[op] = handler if compose is None else compose(op, handler)
                 return handler
 
-            self._lookups_under[overrides] = lookup
+            self._lookups[key] = lookup
         return lookup
+
+    def handler_under(self, overrides: Overrides) -> Callable[[Op], Rule]:
+        """`lookup(overrides=overrides)`: the table's handlers under a rider's overrides."""
+        return self.lookup(overrides=overrides)
 
     def how(self, op: Op) -> str:
         """How `op` is handled: "rule", "template", "default" (`otherwise`), "decomposition",
@@ -210,7 +234,7 @@ class Overrides:
         self.name = name
         self.rider = rider
         self.rules: dict[Op, Rule] = {}
-        self._resolved: dict[RuleTable, dict[Op, Rule]] = {}
+        self.tables: set[RuleTable] = set()  # the tables that resolved handlers under these
 
     def register(self, *ops: Any) -> Callable[[Rule], Rule]:
         """Decorator registering one override for several ops (packets expand)."""
@@ -224,15 +248,8 @@ class Overrides:
 
     def set(self, op: Op, rule: Rule) -> None:
         self.rules[op] = rule
-        for resolved in self._resolved.values():
-            resolved.pop(op, None)
-
-    def resolved_for(self, table: RuleTable) -> dict[Op, Rule]:
-        """The cache of handlers `table` resolved under these overrides."""
-        return self._resolved.setdefault(table, {})
-
-    def forget(self, table: RuleTable) -> None:
-        self._resolved.get(table, {}).clear()
+        for table in self.tables:
+            table._changed(op)
 
     def over(self, op: Op, handler: Rule) -> Rule:
         """`op`'s override, falling back to `handler` where it declines."""
@@ -245,6 +262,54 @@ class Overrides:
         overridden.__name__ = getattr(override, "__name__", "override")
         overridden.__wrapped__ = handler
         return overridden
+
+
+def resolved_once(resolve: Callable[[Op], Any]) -> Callable[[Op], Any]:
+    """A lookup `op -> resolve(op)` that resolves each op once and keeps the answer: the
+    handler lookup of a level without a rule table (ad/wrapped_reverse.py), whose handling of
+    an op depends on the op's schema alone."""
+    resolved = {}
+
+    def lookup(op):
+        handler = resolved.get(op)
+        if handler is None:
+            handler = resolved[op] = resolve(op)
+        return handler
+
+    return lookup
+
+
+def answered_first(answers: dict, op: Op, handle: Callable) -> Callable:
+    """`handle(level, args, kwargs)`, the handler of `op`, preceded by `answers[op]` if there
+    is one: an answer a level gives in __torch_dispatch__'s own state (the questions torch's
+    autograd asks about the level's wrappers), NotImplemented from it going on to `handle`."""
+    answer = answers.get(op)
+    if answer is None:
+        return handle
+
+    def answered_here(level, args, kwargs):
+        out = answer(level, args, kwargs)
+        return handle(level, args, kwargs) if out is NotImplemented else out
+
+    return answered_here
+
+
+def refreshing_views(lookup: Callable[[Op], Any]) -> Callable[[Op], Any]:
+    """`lookup`'s handlers (`handle(level, args, kwargs)`), each first giving the views among
+    the arguments the lifted value of their base (core/level_tensor.py `refresh_views`): a
+    level's lookup once `promote_for_write` lifted one of its bases (rare; the level's
+    `refresh` switches to it)."""
+
+    def resolve(op):
+        handle = lookup(op)
+
+        def refreshed(level, args, kwargs):
+            refresh_views(level, (*args, *kwargs.values()))
+            return handle(level, args, kwargs)
+
+        return refreshed
+
+    return resolved_once(resolve)
 
 
 def _fixing_wrapper_metadata(op, handler):

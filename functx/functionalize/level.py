@@ -26,6 +26,7 @@ import torch.utils._mode_utils
 from ..core.errors import op_name
 from ..core.interpreter import Interpreter, top_interpreter
 from ..core.level_tensor import LevelTensor, replay_inplace_view, wrapper_like
+from ..core.rules import resolved_once
 from .rules import rule_for
 from .scalars import has_numbers, rewrite_numbers
 from ..core.op_facts import is_inplace_view, is_view, writes_of
@@ -97,6 +98,7 @@ class FunctionalizeInterpreter(Interpreter):
         # (core/dual_values.py): the Functionalize kernels run below autograd on the C++
         # functional tensors, so the wrappers' own tangents are the only ones they get.
         self.over_dual_values = False
+        self.refresh()
 
     def pushed(self):
         from .lifting import FactoryLifting
@@ -149,20 +151,16 @@ class FunctionalizeInterpreter(Interpreter):
             return type(x)(self._unwrap(e) for e in x)
         return x
 
-    # -- one op ---------------------------------------------------------------------------
-    def process(self, op, args, kwargs):
+    # -- one op: `handler_of(op)`, `_handler` at the end ----------------------------------
+    def refresh(self):
+        """`handler_of`: each op's handler (`_handler`); the state one level down is entered
+        in `kernel` (outside's state and this level's choice of view ops)."""
+        super().refresh()
+        self.handler_of = _HANDLERS
+
+    def kernel(self, op, writes, args, kwargs):
         """The op's Functionalize kernel on this level's functional tensors (see the module
-        docstring), or its rule; in-place and out= ops return the wrappers they wrote into."""
-        writes = writes_of(op)
-        if writes is not None:
-            for target in writes.targets(args, kwargs):
-                if not self.owns(target):
-                    return self._write_into_foreign(op, writes, args, kwargs)
-        rule = rule_for(op)
-        if rule is not None:
-            out = rule(self, op, args, kwargs)
-            if out is not NotImplemented:
-                return out
+        docstring); in-place and out= ops (`writes`) return the wrappers they wrote into."""
         if op is _AS_STRIDED and type(args[0]) is FunctionalizedTensor and args[0]._root is not None:
             # as_strided counts from the storage, not from its input: take it of the view's
             # root, so that it starts a chain of views instead of extending one (torch's
@@ -335,3 +333,36 @@ def _check_layout(target):
             torch.ops.aten.as_strided_.default(target, value.shape, value.stride(), value.storage_offset())
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+
+
+def _handler(op):
+    """The whole of `op` at a functionalize level: its Functionalize kernel
+    (`FunctionalizeInterpreter.kernel`), after its rule if it has one (rules.py;
+    NotImplemented: the kernel after all); a write into a tensor not this level's goes to
+    `_write_into_foreign` first."""
+    writes = writes_of(op)
+
+    def handle(level, args, kwargs):
+        return level.kernel(op, writes, args, kwargs)
+
+    rule = rule_for(op)
+    if rule is not None:
+        kernel = handle
+
+        def handle(level, args, kwargs):
+            out = rule(level, op, args, kwargs)
+            return kernel(level, args, kwargs) if out is NotImplemented else out
+
+    if writes is None:
+        return handle
+
+    def own_targets_first(level, args, kwargs):
+        for target in writes.targets(args, kwargs):
+            if not level.owns(target):
+                return level._write_into_foreign(op, writes, args, kwargs)
+        return handle(level, args, kwargs)
+
+    return own_targets_first
+
+
+_HANDLERS = resolved_once(_handler)

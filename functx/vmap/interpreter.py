@@ -22,7 +22,8 @@ from ..core.dual_values import one_level_down_over_dual_values
 from ..core.errors import DeadLevelError
 from ..core.forward_ad_state import user_forward_ad
 from ..core.interpreter import EnteredTogether, Interpreter
-from ..core.level_tensor import LevelTensor, promote_for_write, refresh_views
+from ..core.level_tensor import LevelTensor, promote_for_write
+from ..core.rules import answered_first, refreshing_views
 from ..core.op_facts import mutated_argument
 from .batched_tensor import RULES_USING_AUTOGRAD, SPECIAL_RULES, VMAP_RULES, WHOLE_CALL_RULES, BatchedTensor
 from .chain import peel
@@ -90,7 +91,7 @@ _NO_WHOLE_CALLS: dict = {}
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "handler_of", "values_record_graphs", "whole_calls")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "values_record_graphs", "whole_calls")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
@@ -127,22 +128,25 @@ class VmapInterpreter(Interpreter):
         (Always restoring measured faster than checking the values first: transformer
         per-sample grads 6% faster.)
 
-        `handler_of`: the batching rules, under the overrides of a direct AD level riding on
-        this one (its `vmap_overrides`, vmap/batched_tensor.py `UNDER_DIRECT_GRAD`): the
-        rules never ask which AD level is above them."""
+        `handler_of`: each op's handler (`_handler`: special answers, write bookkeeping,
+        then its batching rule under `lower`), with the rules under the overrides of a direct
+        AD level riding on this one (its `vmap_overrides`, vmap/batched_tensor.py
+        `UNDER_DIRECT_GRAD`): the rules never ask which AD level is above them."""
         overrides = None if self.direct_ad is None else self.direct_ad.vmap_overrides
         # whether the graphs torch records on the physical values are what `requires_grad`
         # inside reports (not under a direct jvp level, whose values carry tangents)
         self.values_record_graphs = self.direct_ad is None or not self.direct_ad.forward_mode
-        self.handler_of = VMAP_RULES.handler if overrides is None else VMAP_RULES.handler_under(overrides)
+        # torch's autograd and forward AD record on this level's wrappers, above: the rules
+        # run below autograd, but for those that run torch's autograd themselves
+        compose = _handler_below_autograd if self.ad_above else _handler
+        self.handler_of = VMAP_RULES.lookup(compose, overrides)
+        if self.lifted_bases is not None:
+            self.handler_of = refreshing_views(self.handler_of)
         # torch calls taken whole (vmap/rules/whole_calls.py): only with nothing riding here
         plain = self.direct_ad is None and not self.ad_above and not self.over_dual_values
         self.whole_calls = WHOLE_CALL_RULES if plain else _NO_WHOLE_CALLS
         if self.ad_above:
-            # torch's autograd and forward AD record on this level's wrappers, above: the
-            # rules run below autograd, but for those that run torch's autograd themselves
             self.lower = _restore_autograd
-            self.handler_of = _below_autograd(self.handler_of)
         elif self.over_dual_values:
             # opened inside a jvp level on values: its tangents flow through the physical
             # values, never through this level's wrappers (core/dual_values.py)
@@ -154,30 +158,6 @@ class VmapInterpreter(Interpreter):
             self.lower = _forward_ad_lower
         else:
             self.lower = _restore_autograd
-
-    def process(self, op, args, kwargs):
-        """One level down: the op's batching rule on the physical values (batch dim first),
-        in `lower`'s dispatch state."""
-        special = SPECIAL_RULES.get(op)
-        if special is not None:  # answered in __torch_dispatch__'s own state
-            out = special(self, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        if self.lifted_bases is not None:
-            refresh_views(self, (*args, *kwargs.values()))
-        mutated = mutated_argument(op)
-        if mutated is not None:
-            if type(args[mutated]) is BatchedTensor and args[mutated]._interp is self:
-                promote_for_write(args[mutated], args)
-            elif self.direct_ad is not None:
-                unlifted = _unlifted_fresh_constants(args, mutated)
-                if unlifted is not args and not any(self.is_batched(a) for a in unlifted):
-                    with _restore_autograd():  # nothing batched is written: not this level's op
-                        return op(*unlifted, **kwargs)
-                args = unlifted
-        handler = self.handler_of(op)
-        with self.lower():
-            return handler(self, *args, **kwargs)
 
     def apply_function(self, function, args, kwargs):
         """An autograd.Function whose arguments hold this level's tensors: its `vmap`
@@ -237,6 +217,60 @@ class VmapInterpreter(Interpreter):
         return out
 
 
+# -- one op: `VmapInterpreter.handler_of(op)`, made once per op by `_handler` ------------------
+def _handler(op, rule):
+    """The whole of `op` at a vmap level, from its batching rule `rule`: the rule on the
+    physical values (batch dim first), in the level's `lower()` state; for an in-place op
+    the write's bookkeeping first (`_writing`); for the ops in `SPECIAL_RULES` their answer
+    in __torch_dispatch__'s own state first."""
+    mutated = mutated_argument(op)
+    if mutated is not None:
+        handle = _writing(op, mutated, rule)
+    else:
+
+        def handle(interp, args, kwargs):
+            with interp.lower():
+                return rule(interp, *args, **kwargs)
+
+    return answered_first(SPECIAL_RULES, op, handle)
+
+
+def _handler_below_autograd(op, rule):
+    """`_handler` under AD on values above (`VmapInterpreter.ad_above`): torch's autograd
+    records on this level's wrappers, so the rule runs below autograd, unless it runs
+    torch's autograd itself (`RULES_USING_AUTOGRAD`)."""
+    if op in RULES_USING_AUTOGRAD:
+        return _handler(op, rule)
+
+    def below_autograd(interp, *args, **kwargs):
+        with _below_autograd_mode():
+            return rule(interp, *args, **kwargs)
+
+    return _handler(op, below_autograd)
+
+
+def _writing(op, mutated, rule):
+    """An in-place op writing into argument `mutated`: a tensor of this level gets a value
+    of every level the written values belong to (`promote_for_write`); under a direct AD
+    level, a write into a tensor not batched here of values that include fresh constants
+    it batched writes the constants' unbatched value (`_unlifted_fresh_constants`)."""
+
+    def write(interp, args, kwargs):
+        target = args[mutated]
+        if type(target) is BatchedTensor and target._interp is interp:
+            promote_for_write(target, args)
+        elif interp.direct_ad is not None:
+            unlifted = _unlifted_fresh_constants(args, mutated)
+            if unlifted is not args and not any(interp.is_batched(a) for a in unlifted):
+                with _restore_autograd():  # nothing batched is written: not this level's op
+                    return op(*unlifted, **kwargs)
+            args = unlifted
+        with interp.lower():
+            return rule(interp, *args, **kwargs)
+
+    return write
+
+
 def _unlifted_fresh_constants(args, mutated):
     """A write into a tensor not batched here, of values that include a buffer the function
     made and a direct AD level batched (vmap/randomness.py `_lift_buffer`): while nothing has
@@ -252,25 +286,6 @@ def _unlifted_fresh_constants(args, mutated):
                     new = list(args)
                 new[i] = value
     return args if new is None else tuple(new)
-
-
-def _below_autograd(handler_of):
-    """`VmapInterpreter.handler_of` under AD on values above: each op's handler from
-    `handler_of` run below autograd, unless it runs torch's autograd itself
-    (`RULES_USING_AUTOGRAD`)."""
-
-    def handler_below_autograd(op):
-        rule = handler_of(op)
-        if op in RULES_USING_AUTOGRAD:
-            return rule
-
-        def below_autograd(interp, *args, **kwargs):
-            with _below_autograd_mode():
-                return rule(interp, *args, **kwargs)
-
-        return below_autograd
-
-    return handler_below_autograd
 
 
 def vmap_levels_on_top(stack, below_ok, tensors):

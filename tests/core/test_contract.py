@@ -1,9 +1,10 @@
 """The interpreter contract as it stands, executable: a toy level built on `core/` alone.
 
 A level is an `Interpreter` on the stack (`interpreting`) whose tensors are `LevelTensor`s;
-every ATen op touching one reaches its `process(op, args, kwargs)`, which computes one level
-down (on the values under its own wrappers, where lower levels see the op) and wraps what
-comes back. `Tracer` below is the whole of such a level: it records the ops it sees. The
+every ATen op touching one reaches its `process(op, args, kwargs)`, which is the level's
+handler of the op (`handler_of(op)`, resolved once per op; `refresh` sets the lookup and
+`lower`), which computes one level down (on the values under its own wrappers, inside
+`lower()`, where lower levels see the op) and wraps what comes back. `Tracer` below is the whole of such a level: it records the ops it sees. The
 tests drive it through what the contract promises: composition both ways with a real
 transform, the stack left as it was after an exception, a finished level's tensors standing
 for their values, and the one door for an autograd.Function (`apply_function`: the tracer
@@ -16,6 +17,7 @@ import torch
 import functx
 from functx.core.interpreter import Interpreter, current_stack, interpreting
 from functx.core.level_tensor import LevelTensor, wrapper_like
+from functx.core.rules import resolved_once
 from tests.autograd_functions import Cube, NoVmapSupport
 
 
@@ -29,6 +31,11 @@ class Tracer(Interpreter):
     def __init__(self):
         super().__init__()
         self.ops = []
+        self.refresh()
+
+    def refresh(self):
+        super().refresh()  # `lower`: the dispatch state of outside
+        self.handler_of = _TRACED
 
     def wrap(self, value):
         return wrapper_like(TracedTensor, value, self)
@@ -38,23 +45,32 @@ class Tracer(Interpreter):
             return type(x)(self.unwrap(e) for e in x)
         return x._value if type(x) is TracedTensor and x._interp is self else x
 
-    def process(self, op, args, kwargs):
-        self.ops.append(op.__name__)
-        with self.lower():  # one level down: the dispatch state of outside (Interpreter.refresh)
-            out = op(*self.unwrap(args), **{k: self.unwrap(v) for k, v in kwargs.items()})
-        if isinstance(out, torch.Tensor):
-            return self.wrap(out)
-        if isinstance(out, (list, tuple)):
-            return type(out)(self.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
-        return out
-
-
     def apply_function(self, function, args, kwargs):
         # the highest level among the Function's arguments: record it, apply it one level
         # down (where the next level, or torch, applies it in turn), wrap what comes back
         self.ops.append(function.__name__)
         out = function.apply(*self.unwrap(args), **kwargs)
         return self.wrap(out) if isinstance(out, torch.Tensor) else out
+
+
+def _traced(op):
+    """The tracer's handler of `op`: record it, compute it one level down, wrap the results."""
+    name = op.__name__
+
+    def handle(level, args, kwargs):
+        level.ops.append(name)
+        with level.lower():
+            out = op(*level.unwrap(args), **{k: level.unwrap(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return level.wrap(out)
+        if isinstance(out, (list, tuple)):
+            return type(out)(level.wrap(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+    return handle
+
+
+_TRACED = resolved_once(_traced)
 
 
 class WithoutFunctions(Tracer):
@@ -152,3 +168,28 @@ def test_an_autograd_function_at_a_level_without_a_rule_is_refused_clearly():
     with pytest.raises(NotImplementedError, match="WithoutFunctions levels do not support torch.autograd.Function"):
         traced(NoVmapSupport.apply, torch.ones(2), WithoutFunctions)
     assert current_stack() == ()
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_every_level_processes_an_op_by_its_handler():
+    """`process` is the contract's lookup + call for every functx level: what a level does per
+    op lives in the handlers its `refresh` looks up (the direct AD levels own no tensors and
+    refuse to process any)."""
+    import functx.ad.direct_forward
+    import functx.ad.direct_reverse
+
+    no_tensors = {functx.ad.direct_reverse.DirectGradLevel, functx.ad.direct_forward.DirectJvpLevel}
+    own_process = [
+        cls.__qualname__
+        for cls in _subclasses(Interpreter)
+        if cls.__module__.startswith("functx.") and "process" in cls.__dict__ and cls not in no_tensors
+    ]
+    assert own_process == []
+    assert {cls.__qualname__ for cls in _subclasses(Interpreter) if cls.__module__.startswith("functx.")} >= {
+        "VmapInterpreter", "WrappedGradLevel", "WrappedJvpLevel", "FunctionalizeInterpreter"
+    }

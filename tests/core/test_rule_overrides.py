@@ -12,7 +12,7 @@ import torch
 import functx
 from functx.core.rules import Overrides, RuleTable
 from functx.vmap.batched_tensor import UNDER_DIRECT_GRAD, UNDER_DIRECT_JVP, VMAP_RULES
-from functx.vmap.interpreter import VmapInterpreter
+from functx.vmap.interpreter import VmapInterpreter, _handler
 
 aten = torch.ops.aten
 
@@ -75,7 +75,9 @@ def test_the_direct_levels_carry_their_tables_and_vmap_consults_them_while_they_
     functx.vmap(record)(x)
     functx.vmap(functx.grad(record))(x)
     functx.vmap(lambda x: functx.jvp(record, (x,), (torch.ones_like(x),)))(x)
-    assert seen == [VMAP_RULES.handler, VMAP_RULES.handler_under(UNDER_DIRECT_GRAD), VMAP_RULES.handler_under(UNDER_DIRECT_JVP)]
+    # each op's handler (vmap/interpreter.py `_handler`) made from the rules under the overrides
+    handlers = [VMAP_RULES.lookup(_handler, o) for o in (None, UNDER_DIRECT_GRAD, UNDER_DIRECT_JVP)]
+    assert seen == handlers
 
 
 @pytest.mark.parametrize("path", sorted((pathlib.Path(functx.__file__).parent / "vmap" / "rules").glob("*.py")), ids=lambda p: p.name)
@@ -89,3 +91,23 @@ def test_no_batching_rule_asks_which_ad_level_is_above_it(path):
         if isinstance(node, ast.Attribute) and node.attr in slots
     ]
     assert reads == []
+
+
+def test_a_composed_lookup_is_made_once_per_op_and_forgotten_when_a_rule_changes():
+    table, overrides, _ = _tables()
+    made = []
+
+    def compose(op, rule):
+        made.append(op)
+        return lambda interp, x: ("composed", rule(interp, x))
+
+    lookup = table.lookup(compose)
+    assert lookup(aten.sin.default)(Level(None), 2) == ("composed", ("base", 2))
+    assert lookup(aten.sin.default)(Level(None), 3) == ("composed", ("base", 3))
+    assert made == [aten.sin.default] and table.lookup(compose) is lookup
+    under = table.lookup(compose, overrides)
+    overrides.set(aten.sin.default, lambda rider, interp, x: "override")
+    assert under(aten.sin.default)(Level(None), 1) == ("composed", "override")
+    assert lookup(aten.sin.default)(Level(None), 1) == ("composed", ("base", 1))  # no rider here
+    table.set(aten.sin.default, lambda interp, x: "new base")
+    assert lookup(aten.sin.default)(Level(None), 1) == ("composed", "new base")
