@@ -33,14 +33,15 @@ _IN_PLACE_DUNDERS = {
     "__ior__": "bitwise_or",
     "__ixor__": "bitwise_xor",
 }
-_twins: dict = {}
+_op_twins: dict = {}  # ATen in-place op -> its out-of-place overload, or None
+_function_twins: dict = {}  # torch function (Tensor.mul_, Tensor.__imul__) -> Tensor.mul, or None
 
 
 def out_of_place_twin(op):
     """The out-of-place overload of an in-place pointwise ATen op (`mul_.Tensor` ->
     `mul.Tensor`), or None."""
     try:
-        return _twins[op]
+        return _op_twins[op]
     except KeyError:
         pass
     twin = None
@@ -53,7 +54,7 @@ def out_of_place_twin(op):
             if _arguments(getattr(packet, overload)) == signature:
                 twin = getattr(packet, overload)
                 break
-    _twins[op] = twin
+    _op_twins[op] = twin
     return twin
 
 
@@ -65,7 +66,7 @@ def function_twin(func):
     """The out-of-place form of a torch call that writes its first argument pointwise
     (`Tensor.mul_` -> `Tensor.mul`, `Tensor.__imul__` -> `Tensor.mul`), or None."""
     try:
-        return _twins[func]
+        return _function_twins[func]
     except (KeyError, TypeError):
         pass
     twin = None
@@ -77,8 +78,8 @@ def function_twin(func):
         if any(torch.Tag.pointwise in o.tags for o in overloads):
             twin = getattr(torch.Tensor, base, None)
     try:
-        _twins[func] = twin
-    except TypeError:
+        _function_twins[func] = twin
+    except TypeError:  # not hashable
         pass
     return twin
 

@@ -40,7 +40,7 @@ from ..core.factories import FACTORIES
 from ..core.interpreter import functx_code
 from ..core.level_tensor import LevelTensor, call_at_values, level_of
 from ..core.torch_function import CallHandler, call_outer, seen_by_outer
-from .aliased_writes import written_out_of_place
+from .aliased_writes import function_twin, written_out_of_place
 
 
 class FactoryLifting(CallHandler):
@@ -61,9 +61,10 @@ class FactoryLifting(CallHandler):
                 out = rule(level, args, kwargs)
             if out is not NotImplemented:
                 return out
-        out = written_out_of_place(func, args, kwargs, lambda f, a, k: call_outer(f, types, a, k))
-        if out is not NotImplemented:  # `v.mul_(v)` (ad/aliased_writes.py)
-            return out
+        if function_twin(func) is not None:  # an in-place pointwise call: `v.mul_(v)`? (ad/aliased_writes.py)
+            out = written_out_of_place(func, args, kwargs, lambda f, a, k: call_outer(f, types, a, k))
+            if out is not NotImplemented:
+                return out
         if func in _TO_NUMPY and _constant_of(level, args[0]):
             # a constant of the level (a non-differentiated argument, ADLevel.own, or a
             # factory's result) leaves torch as its value does, as it did before it was wrapped

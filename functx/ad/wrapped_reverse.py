@@ -14,6 +14,16 @@ Two traps, both handled in each op's handler (`_handler`, at the end):
 - autograd detaches saved outputs through `aten.detach`: that must cut only this level's
   graph (`cut`: a new wrapper of the same value), or `grad(grad(exp))` is 0. A user's
   `.detach()` goes down to every level instead (level.py tells the two apart).
+
+Driven through the AD level protocol (ad/level.py: `leaf`, `gradient`) on its own:
+
+    >>> import torch
+    >>> from functx.core.interpreter import interpreting
+    >>> with interpreting(WrappedGradLevel()) as level:
+    ...     x = level.leaf(torch.tensor(2.0))
+    ...     (dx,) = level.gradient(x * x * x, [x])
+    ...     type(dx).__name__, level.export(dx)
+    ('GradTensor', tensor(12.))
 """
 
 from __future__ import annotations
