@@ -58,6 +58,7 @@ from .lifting import CapturedWrites
 _make_dual = torch._make_dual
 _unpack_dual = torch._VF._unpack_dual
 _DUAL_LEVEL = 0
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # the node of an autograd leaf
 
 
 def install_direct_level(vmap_levels, level):
@@ -389,24 +390,26 @@ def _reaches_outside(outputs, leaves, level=None) -> bool:
         if isinstance(o, torch.Tensor) and o.requires_grad and o.grad_fn is None and _is_outside(o, own, level):
             return True
     seen = set()
+    push, pop, see = stack.append, stack.pop, seen.add
     while stack:
-        node = stack.pop()
+        node = pop()
         if node in seen:
             continue
-        seen.add(node)
-        if not any(child is not None for child, _ in node.next_functions):
-            # A root that is not a leaf's accumulator: a graph made outside and cut from
-            # ours (AOTAutograd's traced inputs hang under such nodes, torch.compile).
-            return True
+        see(node)
+        ends = True
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            variable = getattr(child, "variable", None)
-            if variable is not None:  # AccumulateGrad: a leaf
-                if _is_outside(variable, own, level):
+            ends = False
+            if type(child) is _ACCUMULATE_GRAD:  # a leaf
+                if _is_outside(child.variable, own, level):
                     return True
-            else:
-                stack.append(child)
+            elif child not in seen:
+                push(child)
+        if ends:
+            # A root that is not a leaf's accumulator: a graph made outside and cut from
+            # ours (AOTAutograd's traced inputs hang under such nodes, torch.compile).
+            return True
     return False
 
 

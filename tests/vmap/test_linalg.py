@@ -434,3 +434,59 @@ def test_nested_vmap(fn, makers, levels):
     with functx.vmap_fallback("error"):
         out = vmap(vmap(fn, in_dims=inner), in_dims=outer)(*args)
     torch.testing.assert_close(out, nested_loop(fn, args, outer, inner))
+
+
+# -- mm with one side batched, large enough to fold into one GEMM (linalg._worth_a_copy) ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _batched_operand(batch, rows, cols, in_dim, transposed):
+    """A batch of (rows, cols) matrices with the batch at `in_dim`, laid out transposed in
+    memory if asked (what a weight's backward meets: `grad.t() @ x`)."""
+    base = torch.randn(batch, cols, rows, dtype=f64).mT if transposed else torch.randn(batch, rows, cols, dtype=f64)
+    return base.movedim(0, in_dim)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([1, 3, 64, 130, 256]),
+    k=st.sampled_from([1, 5, 130, 300]),
+    m=st.sampled_from([1, 4, 70, 130]),
+    batch=st.integers(1, 4),
+    batched_side=st.sampled_from(["left", "right"]),
+    in_dim=st.integers(0, 2),
+    transposed=st.booleans(),
+)
+def test_mm_with_one_side_batched_matches_the_loop(n, k, m, batch, batched_side, in_dim, transposed):
+    """Small and large products (one GEMM over the folded batch above ~2^20 multiply-adds per
+    element, a bmm below), every batch position and memory layout, against torch.mm per
+    element in float64."""
+    if batched_side == "left":
+        a, b = _batched_operand(batch, n, k, in_dim, transposed), torch.randn(k, m, dtype=f64)
+        in_dims = (in_dim, None)
+    else:
+        a, b = torch.randn(n, k, dtype=f64), _batched_operand(batch, k, m, in_dim, transposed)
+        in_dims = (None, in_dim)
+    with functx.vmap_fallback("error"):
+        out = vmap(torch.mm, in_dims=in_dims)(a, b)
+    torch.testing.assert_close(out, loop(torch.mm, (a, b), in_dims))
+    assert out.is_contiguous()
+
+
+def test_hessian_vector_products_under_vmap_fold_large_products():
+    """dattri's inverse-HVP pattern (vmap over the `vjp_fn` of a gradient) with products
+    above the fold threshold: equal to double backward per vector, float64."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 300, dtype=f64), torch.randn(64, 10, dtype=f64)
+    w1, w2 = torch.randn(300, 64, dtype=f64) / 20, torch.randn(64, 10, dtype=f64) / 8
+    loss = lambda w1, w2: ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean()
+    vectors = (torch.randn(3, 300, 64, dtype=f64), torch.randn(3, 10 * 64, dtype=f64).view(3, 64, 10))
+    _, vjp_fn = functx.vjp(functx.grad(loss, argnums=(0, 1)), w1, w2)
+    hvps = functx.vmap(lambda v1, v2: vjp_fn((v1, v2)))(*vectors)
+    p1, p2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    g1, g2 = torch.autograd.grad(loss(p1, p2), (p1, p2), create_graph=True)
+    for i in range(3):
+        expected = torch.autograd.grad((g1, g2), (p1, p2), (vectors[0][i], vectors[1][i]), retain_graph=True)
+        torch.testing.assert_close(hvps[0][i], expected[0])
+        torch.testing.assert_close(hvps[1][i], expected[1])

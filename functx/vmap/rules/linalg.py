@@ -251,8 +251,9 @@ def records_products(direct, a, b) -> bool:
 # -- products: mm, bmm, mv, dot, vdot -----------------------------------------------------
 @VMAP_RULES.register(aten.mm.default)
 def _mm(interp, a, b):
-    # a batched only: matmul folds (B, n, k) into (B*n, k) — one GEMM. Otherwise the
-    # unbatched side is expanded (a view) into one bmm; the result stays contiguous, which
+    # One side batched: one GEMM, the batch folded into the rows (a batched: (B, n, k) as
+    # (B*n, k)) or the columns (b batched: (k, B*m)) of the batched side. Otherwise the
+    # unbatched side is expanded (a view) into one bmm. The result stays contiguous, which
     # the `_unsafe_view`s that follow a decomposed matmul rely on.
     _expect_dims("mm", self=(a, 2), mat2=(b, 2))
     # aten ops, not torch.matmul: matmul is composite and would re-decompose into views,
@@ -260,12 +261,27 @@ def _mm(interp, a, b):
     if interp.is_batched(a) and not interp.is_batched(b):
         value = a._value
         size, n, k = value.shape
-        if _rows_fold(value):
-            return interp.wrap(aten.mm.default(value.view(size * n, k), b).view(size, n, b.shape[1]))
-        # rows that do not fold without a copy (a transposed batch of matrices: the tangent
-        # of `grad.t() @ x` in a weight's backward): bmm reads them as they lie
+        m = b.shape[1]
+        if _rows_fold(value) or _worth_a_copy(n, k, m):
+            return interp.wrap(aten.mm.default(value.reshape(size * n, k), b).view(size, n, m))
+        # small rows that do not fold without a copy (a transposed batch of matrices: the
+        # tangent of `grad.t() @ x` in a weight's backward): bmm reads them as they lie
         return interp.wrap(aten.bmm.default(value, b.expand(size, *b.shape)))
+    if interp.is_batched(b) and not interp.is_batched(a) and _worth_a_copy(*a.shape, b.shape[1]):
+        value = b._value
+        size, k, m = value.shape
+        columns = aten.mm.default(a, value.transpose(0, 1).reshape(k, size * m))
+        return interp.wrap(columns.view(a.shape[0], size, m).transpose(0, 1).contiguous())
     return interp.wrap(aten.bmm.default(materialize(interp, a), materialize(interp, b)))
+
+
+def _worth_a_copy(n: int, k: int, m: int) -> bool:
+    """Whether an (n, k) @ (k, m) product per batch element is large enough that copying the
+    batched operand (and the result) into one GEMM pays for itself against a bmm of B small
+    GEMMs. Measured (1 thread, float32 and float64): (256, 784) @ (784, 16) per element,
+    B = 16, the Hessian-vector products of influence functions, 1.2-1.8x faster folded;
+    products under ~2^20 multiply-adds per element run as fast or faster as a bmm."""
+    return n * k * m >= 1 << 20
 
 
 @UNDER_DIRECT_GRAD.register(aten.mm.default)
