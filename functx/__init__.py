@@ -5,6 +5,7 @@ keeps it working.
 """
 
 from .core import PerformanceWarning, debug_unwrap, set_vmap_fallback, vmap_fallback
+from .core.containers import register_batched_container
 from . import library, nn
 from .nn import (
     combine_state_for_ensemble,
@@ -27,7 +28,7 @@ _watch_for_dynamo()  # torch.compile support, installed when torch._dynamo is im
 
 __version__ = "0.1.0"
 
-__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functionalize", "rearrange", "jit", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functionalize", "rearrange", "jit", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap", "register_batched_container"]
 
 
 def __getattr__(name):

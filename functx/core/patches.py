@@ -9,7 +9,8 @@ installed here, once:
 - `patch(owner, attribute, replacement, why)`: `owner.attribute` becomes functx's
   replacement (`Function.apply`, `torch.autograd.backward`, torch.library's autograd kernel
   maker, the non-reentrant checkpoint generator; dynamo's rule map when dynamo is
-  imported). Installing the same replacement again changes nothing; `undo(entry)` puts
+  imported; in tensordict's modules, once vmap meets a TensorDict, the names of torch.func's
+  per-tensor vmap functions, routed to functx's for functx's levels: core/container_kinds.py). Installing the same replacement again changes nothing; `undo(entry)` puts
   torch's original back, `install(entry)` reinstalls it.
 - `kernels(name, make, why, reset)`: kernels functx registers at torch's dispatch keys
   through a `torch.library.Library` (lazy_bits' Conjugate/Negative/ZeroTensor kernels; the
@@ -32,8 +33,8 @@ Example:
     >>> from functx.core.patches import PATCHES, installed
     >>> all(installed(entry) for entry in PATCHES if entry.kind == "attribute")
     True
-    >>> sorted(entry.attribute for entry in PATCHES if entry.kind == "attribute")[:2]
-    ['_checkpoint_without_reentrant_generator', 'apply']
+    >>> {"_checkpoint_without_reentrant_generator", "apply"} <= {entry.attribute for entry in PATCHES}
+    True
 """
 
 from __future__ import annotations

@@ -121,9 +121,10 @@ def _namespace() -> str:
     return NAMESPACE
 
 
-def tree_flatten(tree, none_is_leaf: bool = False):
-    """`(leaves, spec)`, as `optree.tree_flatten`, seeing torch's registrations too."""
-    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf, namespace=_namespace())
+def tree_flatten(tree, none_is_leaf: bool = False, is_leaf=None):
+    """`(leaves, spec)`, as `optree.tree_flatten`, seeing torch's registrations too
+    (`is_leaf`: nodes to keep whole, vmap's containers with a batch size)."""
+    return optree.tree_flatten(tree, is_leaf, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 def tree_flatten_with_path(tree, none_is_leaf: bool = False):
@@ -143,10 +144,10 @@ def tree_map(func, tree, none_is_leaf: bool = False):
     return optree.tree_map(func, tree, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
-def broadcast_prefix(prefix, tree, none_is_leaf: bool = False) -> list:
+def broadcast_prefix(prefix, tree, none_is_leaf: bool = False, is_leaf=None) -> list:
     """The leaves of `prefix` (a prefix of `tree`'s structure: in_dims, out_dims) repeated
     over `tree`'s leaves they stand for; ValueError when it is not a prefix."""
-    return optree.broadcast_prefix(prefix, tree, none_is_leaf=none_is_leaf, namespace=_namespace())
+    return optree.broadcast_prefix(prefix, tree, is_leaf, none_is_leaf=none_is_leaf, namespace=_namespace())
 
 
 tree_unflatten = optree.tree_unflatten  # the spec knows its namespace

@@ -19,6 +19,8 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
+from ..core.container_kinds import in_use
+from ..core.containers import is_container
 from .per_thread import substituted
 
 __all__ = ["functional_call"]
@@ -41,7 +43,8 @@ def functional_call(
     - `parameter_and_buffer_dicts`: a dict `{name: tensor}` (names as in
       `module.named_parameters()` / `named_buffers()`), or a tuple/list of such dicts
       with distinct keys (a key in two dicts is a `ValueError`). Names not given keep
-      the module's own tensor.
+      the module's own tensor. Beyond torch.func, a TensorDict (`TensorDict.from_module`,
+      `TensorDictParams`) works as the dict of its flattened keys (`"0.weight"`).
     - `args`: one argument, or a tuple of positional arguments; `kwargs`: a dict.
     - `tie_weights=True`: names that share one tensor in `module` (tied weights) keep
       sharing: a value given for one of them is used for all. Different values for
@@ -106,17 +109,19 @@ def functional_call(
 def _merge_dicts(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     if isinstance(dicts, dict):
         return dicts
+    if _is_nested_state(dicts):  # a TensorDict (TensorDictParams, TensorDict.from_module)
+        return dict(dicts.flatten_keys(".").items())
     if not isinstance(dicts, Sequence) or isinstance(dicts, (str, bytes)):
         raise ValueError(
             "Expected parameter_and_buffer_dicts to be a dict, or a list/tuple of dicts, "
             f"but got {type(dicts)}"
         )
-    if not all(isinstance(d, dict) for d in dicts):
+    if not all(isinstance(d, dict) or _is_nested_state(d) for d in dicts):
         raise ValueError("Expected all elements of parameter_and_buffer_dicts to be dictionaries")
     merged: dict[str, Tensor] = {}
     repeated: list[str] = []
     for d in dicts:
-        for key, value in d.items():
+        for key, value in (d if isinstance(d, dict) else _merge_dicts(d)).items():
             if key in merged and key not in repeated:
                 repeated.append(key)
             merged[key] = value
@@ -227,11 +232,23 @@ def _restore_rnn_caches(caches: list[tuple[nn.Module, list, list]]) -> None:
 
 
 def _write_back(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]], after: dict[str, Tensor]) -> None:
-    """torch.func semantics: a value the forward re-assigned replaces the given one."""
-    for d in [dicts] if isinstance(dicts, dict) else dicts:
-        for key in d:
-            if key in after and after[key] is not d[key]:
-                d[key] = after[key]
+    """torch.func semantics: a value the forward re-assigned replaces the given one (in a
+    TensorDict, under its nested key)."""
+    for d in [dicts] if isinstance(dicts, dict) or _is_nested_state(dicts) else dicts:
+        if isinstance(d, dict):
+            for key in d:
+                if key in after and after[key] is not d[key]:
+                    d[key] = after[key]
+            continue
+        for key, value in _merge_dicts(d).items():
+            if key in after and after[key] is not value:
+                d[tuple(key.split("."))] = after[key]
+
+
+def _is_nested_state(obj) -> bool:
+    """A container of named tensors with nested keys, as TensorDict (tensordict is not
+    imported: a registered container with batch size that flattens its keys)."""
+    return not isinstance(obj, dict) and in_use() and is_container(obj) and hasattr(obj, "flatten_keys")
 
 
 def _call_pure(module: nn.Module, values: dict[str, Tensor], args: tuple, kwargs: dict) -> tuple[Any, dict[str, Tensor]]:

@@ -7,6 +7,8 @@ import functools
 import torch
 
 from ..core import pytree
+from ..core.containers import is_container
+from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
@@ -53,6 +55,10 @@ def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims) -> int:
                 f"vmap({name_of(func)}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for "
                 f"an input but in_dim must be either an integer dimension or None."
             )
+        if not isinstance(arg, torch.Tensor) and is_container(arg):
+            flat_dims[i], size = mapped_size(name_of(func), in_dims, describe_leaf(spec, i), arg, dim)
+            sizes.append((i, size))
+            continue
         if not isinstance(arg, torch.Tensor):
             raise ValueError(
                 f"vmap({name_of(func)}, in_dims={in_dims}, ...)(<inputs>): Got in_dim={dim} for "
@@ -103,7 +109,7 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
 
 
 def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size):
-    split = [None if d is None else x.split(chunk_size, dim=d) for x, d in zip(leaves, flat_dims)]
+    split = [None if d is None else chunks_of(x, chunk_size, d) for x, d in zip(leaves, flat_dims)]
     n_chunks = (batch_size + chunk_size - 1) // chunk_size
     rng_state = torch.get_rng_state() if randomness == "same" else None
     chunk_outputs = []
@@ -111,11 +117,12 @@ def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dim
         if rng_state is not None:
             torch.set_rng_state(rng_state)
         chunk_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
-        size = next(s[c].size(d) for s, d in zip(split, flat_dims) if s is not None)
+        size = min(chunk_size, batch_size - c * chunk_size)
         chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
-    flat_chunks = [pytree.tree_flatten(o, none_is_leaf=True) for o in chunk_outputs]
+    keep_whole = container_leaf()
+    flat_chunks = [pytree.tree_flatten(o, none_is_leaf=True, is_leaf=keep_whole) for o in chunk_outputs]
     out_spec = flat_chunks[0][1]
-    flat_out_dims = out_dims_per_leaf(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]))
+    flat_out_dims = out_dims_per_leaf(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]), keep_whole)
     merged = [
         flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
         for i, d in enumerate(flat_out_dims)

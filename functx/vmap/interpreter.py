@@ -91,12 +91,15 @@ _NO_WHOLE_CALLS: dict = {}
 class VmapInterpreter(Interpreter):
     """One `vmap` level: its batch size, its randomness policy, and the batching rules."""
 
-    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "values_record_graphs", "whole_calls")
+    __slots__ = ("batch_size", "randomness", "direct_ad", "ad_above", "values_record_graphs", "whole_calls", "mapped_dim")
 
     def __init__(self, batch_size: int, randomness: str):
         super().__init__()
         self.batch_size = batch_size
         self.randomness = randomness
+        # what the kinds of containers with a batch size get from this call
+        # (vmap/containers.py; made on first use, for the whole call)
+        self.mapped_dim = None
         # The direct AD level running on the physical tensors under this level (and maybe
         # the vmap levels below: ad/direct_reverse.py, direct_forward.py), while one is
         # open: `requires_grad` and torch.autograd.grad calls inside ask a grad level; a jvp

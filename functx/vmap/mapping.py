@@ -22,6 +22,8 @@ from ..core import pytree
 from ..core.interpreter import functx_code, interpreting
 from ..core.level_tensor import refresh_views, unwrap_dead
 from .batched_tensor import BatchedTensor
+from .containers import batch_container, container_leaf, mapped_dim, unbatch_container
+from ..core.containers import is_container as keep_whole_container
 from .randomness import RandomnessMode
 
 
@@ -60,11 +62,12 @@ def flatten_in_dims(func, in_dims, args):
             f"vmap({name_of(func)})(<inputs>): got no inputs. Maybe you forgot to add inputs, "
             f"or you are trying to vmap over a function with no inputs. The latter is unsupported."
         )
-    leaves, spec = pytree.tree_flatten(args, none_is_leaf=True)
+    keep_whole = container_leaf()  # containers with a batch size (vmap/containers.py)
+    leaves, spec = pytree.tree_flatten(args, none_is_leaf=True, is_leaf=keep_whole)
     if isinstance(in_dims, int):  # the common case: no prefix to broadcast
         return leaves, [in_dims] * len(leaves), spec
     try:
-        flat_dims = pytree.broadcast_prefix(in_dims, args, none_is_leaf=True)
+        flat_dims = pytree.broadcast_prefix(in_dims, args, none_is_leaf=True, is_leaf=keep_whole)
     except ValueError:
         raise ValueError(
             f"vmap({name_of(func)}, in_dims={in_dims}, ...)(<inputs>): in_dims is not "
@@ -83,11 +86,13 @@ def map_at_level(interp, func, leaves, flat_dims, spec, out_dims, kwargs):
     with interpreting(interp):
         with functx_code():
             batched = [
-                x if d is None else BatchedTensor(x if d == 0 else x.movedim(d, 0), interp)
+                x if d is None
+                else BatchedTensor(x if d == 0 else x.movedim(d, 0), interp) if isinstance(x, torch.Tensor)
+                else batch_container(_mapped_dim(func, interp), x, d)  # (in_dims checked: a registered container)
                 for x, d in zip(leaves, flat_dims)
             ]
             for b, x, d in zip(batched, leaves, flat_dims):
-                if d:  # for autograd.Function vmap rules, given the in_dim (custom_function.py)
+                if d and type(b) is BatchedTensor:  # for autograd.Function vmap rules, given the in_dim (custom_function.py)
                     b._vmap_input = (d % x.dim(), x, b._value)
         with RandomnessMode(interp):  # user code only
             outputs = func(*pytree.tree_unflatten(spec, batched), **kwargs)
@@ -95,7 +100,7 @@ def map_at_level(interp, func, leaves, flat_dims, spec, out_dims, kwargs):
             return unbatch_outputs(func, outputs, out_dims, interp)
 
 
-def out_dims_per_leaf(func, out_dims, outputs, n_leaves):
+def out_dims_per_leaf(func, out_dims, outputs, n_leaves, is_leaf=None):
     """One out_dim per output leaf (`n_leaves` of them): `out_dims` is an int/None or a
     prefix of the outputs."""
     if out_dims is None or (isinstance(out_dims, int) and not isinstance(out_dims, bool)):
@@ -110,7 +115,7 @@ def out_dims_per_leaf(func, out_dims, outputs, n_leaves):
     if isinstance(out_dims, tuple) and len(out_dims) == 1 and not isinstance(outputs, tuple):
         out_dims = out_dims[0]  # torch.func accepts out_dims=(d,) for a single output
     try:
-        return pytree.broadcast_prefix(out_dims, outputs, none_is_leaf=True)
+        return pytree.broadcast_prefix(out_dims, outputs, none_is_leaf=True, is_leaf=is_leaf)
     except ValueError:
         raise ValueError(
             f"vmap({name_of(func)}, ..., out_dims={out_dims})(<inputs>): out_dims is not "
@@ -123,10 +128,34 @@ def out_dims_per_leaf(func, out_dims, outputs, n_leaves):
 
 def unbatch_outputs(func, outputs, out_dims, interp):
     # None is an output like any other (torch.func: it needs out_dim None)
-    flat_out, out_spec = pytree.tree_flatten(outputs, none_is_leaf=True)
-    flat_out_dims = out_dims_per_leaf(func, out_dims, outputs, len(flat_out))
-    unbatched = [_unbatch(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
+    keep_whole = container_leaf()
+    flat_out, out_spec = pytree.tree_flatten(outputs, none_is_leaf=True, is_leaf=keep_whole)
+    flat_out_dims = out_dims_per_leaf(func, out_dims, outputs, len(flat_out), keep_whole)
+    if keep_whole is None:
+        unbatched = [_unbatch(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
+    else:
+        unbatched = [_unbatch_any(func, out, dim, interp) for out, dim in zip(flat_out, flat_out_dims)]
     return pytree.tree_unflatten(out_spec, unbatched)
+
+
+def _unbatch_any(func, out, out_dim, interp):
+    """`_unbatch`, or for a registered container (vmap/containers.py) its kind's rebuilding
+    around its unbatched tensors (out_dim None: returned as it is)."""
+    if out_dim is None or not keep_whole_container(out):
+        return _unbatch(func, out, out_dim, interp)
+    return unbatch_container(name_of(func), out, out_dim, _mapped_dim(func, interp))
+
+
+def _mapped_dim(func, interp):
+    """What a container's kind gets from the level (vmap/containers.mapped_dim), one for the
+    whole call (a container may unbatch while the function runs)."""
+    if interp.mapped_dim is None:
+
+        def unbatch(tensor, dim):
+            return _unbatch(func, tensor, dim, interp)
+
+        interp.mapped_dim = mapped_dim(interp, unbatch)
+    return interp.mapped_dim
 
 
 def _unbatch(func, out, out_dim, interp):
