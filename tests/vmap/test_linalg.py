@@ -437,7 +437,7 @@ def test_nested_vmap(fn, makers, levels):
 
 
 # -- mm with one side batched, large enough to fold into one GEMM (linalg._worth_a_copy) ----
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
@@ -450,14 +450,17 @@ def _batched_operand(batch, rows, cols, in_dim, transposed):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    n=st.sampled_from([1, 3, 64, 130, 256]),
-    k=st.sampled_from([1, 5, 130, 300]),
-    m=st.sampled_from([1, 4, 70, 130]),
+    n=st.sampled_from([1, 3, 16, 64, 256]),
+    k=st.sampled_from([1, 5, 130, 784]),
+    m=st.sampled_from([1, 4, 16, 70, 130]),
     batch=st.integers(1, 4),
     batched_side=st.sampled_from(["left", "right"]),
     in_dim=st.integers(0, 2),
     transposed=st.booleans(),
 )
+@example(n=16, k=784, m=130, batch=3, batched_side="left", in_dim=0, transposed=True)  # rows folded by a copy
+@example(n=256, k=784, m=16, batch=3, batched_side="right", in_dim=1, transposed=False)  # columns folded
+@example(n=256, k=784, m=16, batch=2, batched_side="right", in_dim=0, transposed=True)
 def test_mm_with_one_side_batched_matches_the_loop(n, k, m, batch, batched_side, in_dim, transposed):
     """Small and large products (one GEMM over the folded batch above ~2^20 multiply-adds per
     element, a bmm below), every batch position and memory layout, against torch.mm per
@@ -478,10 +481,10 @@ def test_hessian_vector_products_under_vmap_fold_large_products():
     """dattri's inverse-HVP pattern (vmap over the `vjp_fn` of a gradient) with products
     above the fold threshold: equal to double backward per vector, float64."""
     torch.manual_seed(0)
-    x, y = torch.randn(64, 300, dtype=f64), torch.randn(64, 10, dtype=f64)
-    w1, w2 = torch.randn(300, 64, dtype=f64) / 20, torch.randn(64, 10, dtype=f64) / 8
+    x, y = torch.randn(256, 300, dtype=f64), torch.randn(256, 10, dtype=f64)  # 16 hidden: skinny per vector
+    w1, w2 = torch.randn(300, 16, dtype=f64) / 20, torch.randn(16, 10, dtype=f64) / 4
     loss = lambda w1, w2: ((torch.tanh(x @ w1) @ w2 - y) ** 2).mean()
-    vectors = (torch.randn(3, 300, 64, dtype=f64), torch.randn(3, 10 * 64, dtype=f64).view(3, 64, 10))
+    vectors = (torch.randn(3, 300, 16, dtype=f64), torch.randn(3, 10 * 16, dtype=f64).view(3, 16, 10))
     _, vjp_fn = functx.vjp(functx.grad(loss, argnums=(0, 1)), w1, w2)
     hvps = functx.vmap(lambda v1, v2: vjp_fn((v1, v2)))(*vectors)
     p1, p2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()

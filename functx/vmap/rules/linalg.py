@@ -262,12 +262,12 @@ def _mm(interp, a, b):
         value = a._value
         size, n, k = value.shape
         m = b.shape[1]
-        if _rows_fold(value) or _worth_a_copy(n, k, m):
+        if _rows_fold(value) or _worth_a_copy(n, n, k, m):
             return interp.wrap(aten.mm.default(value.reshape(size * n, k), b).view(size, n, m))
         # small rows that do not fold without a copy (a transposed batch of matrices: the
         # tangent of `grad.t() @ x` in a weight's backward): bmm reads them as they lie
         return interp.wrap(aten.bmm.default(value, b.expand(size, *b.shape)))
-    if interp.is_batched(b) and not interp.is_batched(a) and _worth_a_copy(*a.shape, b.shape[1]):
+    if interp.is_batched(b) and not interp.is_batched(a) and _worth_a_copy(b.shape[1], *a.shape, b.shape[1]):
         value = b._value
         size, k, m = value.shape
         columns = aten.mm.default(a, value.transpose(0, 1).reshape(k, size * m))
@@ -275,13 +275,16 @@ def _mm(interp, a, b):
     return interp.wrap(aten.bmm.default(materialize(interp, a), materialize(interp, b)))
 
 
-def _worth_a_copy(n: int, k: int, m: int) -> bool:
-    """Whether an (n, k) @ (k, m) product per batch element is large enough that copying the
-    batched operand (and the result) into one GEMM pays for itself against a bmm of B small
-    GEMMs. Measured (1 thread, float32 and float64): (256, 784) @ (784, 16) per element,
-    B = 16, the Hessian-vector products of influence functions, 1.2-1.8x faster folded;
-    products under ~2^20 multiply-adds per element run as fast or faster as a bmm."""
-    return n * k * m >= 1 << 20
+def _worth_a_copy(folded: int, n: int, k: int, m: int) -> bool:
+    """Whether an (n, k) @ (k, m) product per batch element pays for copying the batched
+    operand (and the result) into one GEMM, against a bmm of B GEMMs: where each element's
+    GEMM is skinny in the dim the fold multiplies by B (`folded`: n for a batched left
+    operand, m for a batched right one) and large enough overall. Measured (1 thread,
+    float32 and float64, B = 16): (16, 256) @ (256, 784) and (256, 784) @ (784, 16) per
+    element, influence functions' Hessian-vector products, 1.2-1.8x faster folded; products
+    under ~2^20 multiply-adds, or with that dim 128 or more (a Hessian @ matrix of a
+    256-wide MLP: (128, 256) @ (256, 256)), are faster as a bmm."""
+    return folded <= 32 and n * k * m >= 1 << 20
 
 
 @UNDER_DIRECT_GRAD.register(aten.mm.default)
