@@ -22,8 +22,8 @@ from ..core import pytree
 from ..core.interpreter import functx_code, interpreting
 from ..core.level_tensor import refresh_views, unwrap_dead
 from .batched_tensor import BatchedTensor
+from ..core.containers import is_container
 from .containers import batch_container, container_leaf, mapped_dim, unbatch_container
-from ..core.containers import is_container as keep_whole_container
 from .randomness import RandomnessMode
 
 
@@ -140,9 +140,14 @@ def unbatch_outputs(func, outputs, out_dims, interp):
 
 def _unbatch_any(func, out, out_dim, interp):
     """`_unbatch`, or for a registered container (vmap/containers.py) its kind's rebuilding
-    around its unbatched tensors (out_dim None: returned as it is)."""
-    if out_dim is None or not keep_whole_container(out):
+    around its unbatched tensors. With out_dim None a container is returned as it is, after
+    `_unbatch`'s check on each of its tensors (the pytree leaves it has: a batched one raises)."""
+    if not is_container(out):
         return _unbatch(func, out, out_dim, interp)
+    if out_dim is None:
+        for leaf in pytree.tree_leaves(out):
+            _unbatch(func, leaf, None, interp)
+        return out
     return unbatch_container(name_of(func), out, out_dim, _mapped_dim(func, interp))
 
 

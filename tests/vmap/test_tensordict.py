@@ -149,7 +149,8 @@ def test_hessian_with_respect_to_a_tensordict_matches_double_backward():
     h = functx.hessian(f)(td)
     x = td["x"].clone().requires_grad_()
     expected = torch.autograd.functional.hessian(lambda x: (x.sin() * x.sum()).sum(), x)
-    torch.testing.assert_close(h["x"]["x"] if isinstance(h["x"], TensorDict) else h["x"], expected)
+    assert isinstance(h, TensorDict) and isinstance(h["x"], TensorDict)  # d/dtd of d/dtd: nested
+    torch.testing.assert_close(h["x", "x"], expected)
 
 
 def test_per_sample_gradients_over_a_tensordict_batch():
@@ -210,6 +211,14 @@ def test_a_tensordict_without_the_batch_dim_is_refused_clearly():
         functx.vmap(lambda td: td["x"], in_dims=1)(td)
     with pytest.raises(ValueError, match="no batch dims"):
         functx.vmap(lambda td: td["x"])(TensorDict({"x": torch.randn(3, 4)}, []))
+
+
+def test_a_batched_tensordict_returned_with_out_dim_none_is_refused():
+    td = TensorDict({"x": torch.randn(3)}, [3])
+    with pytest.raises(ValueError, match="can not return a BatchedTensor when out_dim is None"):
+        functx.vmap(lambda t: TensorDict({"y": t["x"] * 2}, []), out_dims=None)(td)
+    same = TensorDict({"c": torch.ones(2)}, [])
+    assert functx.vmap(lambda t: (t["x"], same), out_dims=(0, None))(td)[1] is same  # unbatched: as it is
 
 
 def test_tensordicts_of_different_mapped_sizes_are_refused():
