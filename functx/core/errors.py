@@ -1,5 +1,7 @@
 """Errors and warnings that functx raises, in one place so messages stay consistent."""
 
+import os
+
 
 class PerformanceWarning(UserWarning):
     """An op ran through a slow path (for example vmap's per-sample loop fallback).
@@ -42,3 +44,28 @@ def raise_unbatched_inplace(op, target):
         f"e.g. use the out-of-place op or clone a batched tensor first "
         f"(`x = x.expand(...).clone()` / `torch.zeros_like(batched)`)."
     )
+
+
+_FUNCTX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = None
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that points a warning issued by the caller of this function at the first
+    frame outside functx and torch: the user's line, however many wrappers (dynamo's
+    `disable`, decorators) lie between.
+
+        >>> user_stacklevel() >= 1
+        True
+    """
+    import sys
+
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        import torch
+
+        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((_FUNCTX_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1
+    return level

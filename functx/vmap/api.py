@@ -10,6 +10,7 @@ from ..core import pytree
 from ..core.containers import is_container
 from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
+from .nested import join_samples, nested_batch_size, samples_of, warn_per_sample
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
 
@@ -45,8 +46,11 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
     return vmapped
 
 
-def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims) -> int:
+def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims):
+    """`(batch size, layout)`: layout is that of the nested inputs (torch.jagged where any is
+    jagged), None where there are none."""
     sizes = []
+    nested_layout = None
     for i, (arg, dim) in enumerate(zip(leaves, flat_dims)):
         if dim is None:
             continue
@@ -65,12 +69,16 @@ def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims) -> int:
                 f"an input but the input is of type {type(arg)}. We cannot vmap over non-Tensor "
                 f"arguments, please use None as the respective in_dim"
             )
-        if arg.is_nested or arg.layout is not torch.strided:
+        if arg.is_nested:
+            sizes.append((i, nested_batch_size(name_of(func), in_dims, describe_leaf(spec, i), arg, dim)))
+            flat_dims[i] = 0
+            nested_layout = torch.jagged if torch.jagged in (nested_layout, arg.layout) else arg.layout
+            continue
+        if arg.layout is not torch.strided:
             raise NotImplementedError(
                 f"vmap({name_of(func)}, in_dims={in_dims}, ...)(<inputs>): {describe_leaf(spec, i)} is a "
-                f"{'nested' if arg.is_nested else str(arg.layout)} tensor; functx.vmap maps over "
-                f"strided tensors only. For ragged samples, vmap over a padded strided tensor (with "
-                f"a mask), or loop over `tensor.unbind()`; sparse inputs: `.to_dense()`."
+                f"{arg.layout} tensor; functx.vmap maps over strided and nested tensors. Call "
+                f"`.to_dense()` on it first."
             )
         if not -arg.dim() <= dim < max(arg.dim(), 1) or arg.dim() == 0:
             raise ValueError(
@@ -93,38 +101,58 @@ def _check_and_batch_size(func, in_dims, spec, leaves, flat_dims) -> int:
             f"vmap: Expected all tensors to have the same size in the mapped dimension, got "
             f"sizes {[s for _, s in sizes]} for the mapped dimension ({detail})."
         )
-    return batch_size
+    return batch_size, nested_layout
 
 
 def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     leaves, flat_dims, spec = flatten_in_dims(func, in_dims, args)
-    batch_size = _check_and_batch_size(func, in_dims, spec, leaves, flat_dims)
+    batch_size, nested_layout = _check_and_batch_size(func, in_dims, spec, leaves, flat_dims)
+    if nested_layout is not None:  # samples of different shapes: one call per sample (vmap/nested.py)
+        warn_per_sample(name_of(func), batch_size)
+        split = [None if d is None else samples_of(x, d) for x, d in zip(leaves, flat_dims)]
+
+        def join(index, pieces, out_dim):
+            return join_samples(name_of(func), out_dims, index, pieces, out_dim, nested_layout)
+
+        return _vmap_in_pieces(func, leaves, split, flat_dims, spec, [1] * batch_size, randomness, out_dims, kwargs, join)
     if chunk_size is None or chunk_size >= batch_size:
         return _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs)
-    return _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size)
+    split = [None if d is None else chunks_of(x, chunk_size, d) for x, d in zip(leaves, flat_dims)]
+    sizes = [min(chunk_size, batch_size - start) for start in range(0, batch_size, chunk_size)]
+    return _vmap_in_pieces(func, leaves, split, flat_dims, spec, sizes, randomness, out_dims, kwargs, _concatenate)
 
 
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
     return map_at_level(VmapInterpreter(batch_size, randomness), func, leaves, flat_dims, spec, out_dims, kwargs)
 
 
-def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size):
-    split = [None if d is None else chunks_of(x, chunk_size, d) for x, d in zip(leaves, flat_dims)]
-    n_chunks = (batch_size + chunk_size - 1) // chunk_size
+def _concatenate(index, pieces, out_dim):
+    return torch.cat(pieces, dim=out_dim)
+
+
+def _vmap_in_pieces(func, leaves, split, flat_dims, spec, sizes, randomness, out_dims, kwargs, join):
+    """One vmap call per piece of the batch (`split[i][c]`: leaf i's piece c, of `sizes[c]`
+    elements), the pieces' outputs joined per output leaf by `join(index, pieces, out_dim)`.
+    Under randomness="same" every piece starts from the same random state."""
     rng_state = torch.get_rng_state() if randomness == "same" else None
-    chunk_outputs = []
-    for c in range(n_chunks):
+    piece_outputs = []
+    for c, size in enumerate(sizes):
         if rng_state is not None:
             torch.set_rng_state(rng_state)
-        chunk_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
-        size = min(chunk_size, batch_size - c * chunk_size)
-        chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
+        piece_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
+        piece_outputs.append(_vmap_once(func, piece_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
     keep_whole = container_leaf()
-    flat_chunks = [pytree.tree_flatten(o, none_is_leaf=True, is_leaf=keep_whole) for o in chunk_outputs]
-    out_spec = flat_chunks[0][1]
-    flat_out_dims = out_dims_per_leaf(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]), keep_whole)
+    flat_pieces = [pytree.tree_flatten(o, none_is_leaf=True, is_leaf=keep_whole) for o in piece_outputs]
+    out_spec = flat_pieces[0][1]
+    if any(spec_c != out_spec for _, spec_c in flat_pieces):
+        other = next(spec_c for _, spec_c in flat_pieces if spec_c != out_spec)
+        raise ValueError(
+            f"vmap({name_of(func)}, ...): `{name_of(func)}` returned outputs of different structures "
+            f"for different parts of the batch ({out_spec} and {other}); vmap needs one structure."
+        )
+    flat_out_dims = out_dims_per_leaf(func, out_dims, piece_outputs[0], len(flat_pieces[0][0]), keep_whole)
     merged = [
-        flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
+        flat_pieces[0][0][i] if d is None else join(i, [fc[0][i] for fc in flat_pieces], d)
         for i, d in enumerate(flat_out_dims)
     ]
     return pytree.tree_unflatten(out_spec, merged)

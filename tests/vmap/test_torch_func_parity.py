@@ -32,10 +32,22 @@ def test_jacrev_of_gelu(approximate, dtype):
     )
 
 
-def test_nested_tensor_input_is_a_clear_error():
-    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
-    with pytest.raises(NotImplementedError, match="nested tensor"):
-        functx.vmap(torch.sin)(nt)
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+def test_nested_tensor_errors_leave_the_stack_clean():
+    """Nested inputs run once per sample (tests/vmap/test_nested.py); an error in the third
+    sample's call, or a refused in_dim, leaves no level behind."""
+    nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3), torch.randn(1, 3)], layout=torch.jagged)
+    with pytest.raises(RuntimeError, match="Nested tensors can only be vmapped over dim=0"):
+        functx.vmap(torch.sin, in_dims=1)(nt)
+    assert current_stack() == ()
+
+    def f(x):
+        if x.shape[0] == 1:
+            raise KeyError("third")
+        return x
+
+    with pytest.raises(KeyError, match="third"):
+        functx.vmap(f)(nt)
     assert current_stack() == ()
     torch.testing.assert_close(functx.vmap(torch.sin)(torch.ones(2)), torch.ones(2).sin())
 
