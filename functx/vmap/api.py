@@ -10,7 +10,7 @@ from ..core import pytree
 from ..core.containers import is_container
 from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
-from .nested import join_samples, nested_batch_size, samples_of, warn_per_sample
+from .nested import map_per_sample, nested_batch_size
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
 
@@ -108,51 +108,33 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     leaves, flat_dims, spec = flatten_in_dims(func, in_dims, args)
     batch_size, nested_layout = _check_and_batch_size(func, in_dims, spec, leaves, flat_dims)
     if nested_layout is not None:  # samples of different shapes: one call per sample (vmap/nested.py)
-        warn_per_sample(name_of(func), batch_size)
-        split = [None if d is None else samples_of(x, d) for x, d in zip(leaves, flat_dims)]
-
-        def join(index, pieces, out_dim):
-            return join_samples(name_of(func), out_dims, index, pieces, out_dim, nested_layout)
-
-        return _vmap_in_pieces(func, leaves, split, flat_dims, spec, [1] * batch_size, randomness, out_dims, kwargs, join)
+        return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, nested_layout)
     if chunk_size is None or chunk_size >= batch_size:
         return _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs)
-    split = [None if d is None else chunks_of(x, chunk_size, d) for x, d in zip(leaves, flat_dims)]
-    sizes = [min(chunk_size, batch_size - start) for start in range(0, batch_size, chunk_size)]
-    return _vmap_in_pieces(func, leaves, split, flat_dims, spec, sizes, randomness, out_dims, kwargs, _concatenate)
+    return _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size)
 
 
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
     return map_at_level(VmapInterpreter(batch_size, randomness), func, leaves, flat_dims, spec, out_dims, kwargs)
 
 
-def _concatenate(index, pieces, out_dim):
-    return torch.cat(pieces, dim=out_dim)
-
-
-def _vmap_in_pieces(func, leaves, split, flat_dims, spec, sizes, randomness, out_dims, kwargs, join):
-    """One vmap call per piece of the batch (`split[i][c]`: leaf i's piece c, of `sizes[c]`
-    elements), the pieces' outputs joined per output leaf by `join(index, pieces, out_dim)`.
-    Under randomness="same" every piece starts from the same random state."""
+def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size):
+    split = [None if d is None else chunks_of(x, chunk_size, d) for x, d in zip(leaves, flat_dims)]
+    n_chunks = (batch_size + chunk_size - 1) // chunk_size
     rng_state = torch.get_rng_state() if randomness == "same" else None
-    piece_outputs = []
-    for c, size in enumerate(sizes):
+    chunk_outputs = []
+    for c in range(n_chunks):
         if rng_state is not None:
             torch.set_rng_state(rng_state)
-        piece_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
-        piece_outputs.append(_vmap_once(func, piece_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
+        chunk_leaves = [x if s is None else s[c] for x, s in zip(leaves, split)]
+        size = min(chunk_size, batch_size - c * chunk_size)
+        chunk_outputs.append(_vmap_once(func, chunk_leaves, flat_dims, spec, size, randomness, out_dims, kwargs))
     keep_whole = container_leaf()
-    flat_pieces = [pytree.tree_flatten(o, none_is_leaf=True, is_leaf=keep_whole) for o in piece_outputs]
-    out_spec = flat_pieces[0][1]
-    if any(spec_c != out_spec for _, spec_c in flat_pieces):
-        other = next(spec_c for _, spec_c in flat_pieces if spec_c != out_spec)
-        raise ValueError(
-            f"vmap({name_of(func)}, ...): `{name_of(func)}` returned outputs of different structures "
-            f"for different parts of the batch ({out_spec} and {other}); vmap needs one structure."
-        )
-    flat_out_dims = out_dims_per_leaf(func, out_dims, piece_outputs[0], len(flat_pieces[0][0]), keep_whole)
+    flat_chunks = [pytree.tree_flatten(o, none_is_leaf=True, is_leaf=keep_whole) for o in chunk_outputs]
+    out_spec = flat_chunks[0][1]
+    flat_out_dims = out_dims_per_leaf(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]), keep_whole)
     merged = [
-        flat_pieces[0][0][i] if d is None else join(i, [fc[0][i] for fc in flat_pieces], d)
+        flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
         for i, d in enumerate(flat_out_dims)
     ]
     return pytree.tree_unflatten(out_spec, merged)

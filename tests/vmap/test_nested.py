@@ -193,6 +193,40 @@ def test_jagged_in_the_last_dim():
     assert out.layout == torch.jagged
 
 
+def test_out_dims_none_and_non_tensor_outputs():
+    x = make_nt([3, None, 2], torch.jagged)
+    w = torch.randn(2, dtype=D)
+    out, same = functx.vmap(lambda t, w: (t @ w, w * 2), in_dims=(0, None), out_dims=(0, None))(x, w)
+    torch.testing.assert_close(same, w * 2)
+    assert_matches_loop(out, [t @ w for t in x.unbind()])
+    with pytest.raises(ValueError, match="differs between samples with out_dim None"):
+        functx.vmap(lambda t: t.sum(), out_dims=None)(x)
+    with pytest.raises(ValueError, match="must only return Tensors, got type <class 'int'>"):
+        functx.vmap(lambda t: t.shape[0])(x)
+    assert functx.vmap(lambda t: (t.sum(0), 3), out_dims=(0, None))(x)[1] == 3
+    with pytest.raises(IndexError, match="out_dim 3 is out of range"):
+        functx.vmap(lambda t: t.sum(0), out_dims=3)(x)
+
+
+def test_python_control_flow_on_a_sample():
+    """Each call sees one sample's values, so `if` on them works (torch.func refuses)."""
+    x = make_nt([4, None, 2], torch.jagged)
+
+    def f(t):
+        return t.exp() if t.sum() > 0 else -t
+
+    check(f, (x,))
+
+
+def test_a_tensordict_beside_a_nested_tensor():
+    from tensordict import TensorDict
+
+    x = make_nt([3, None, 2], torch.jagged)
+    td = TensorDict({"a": torch.randn(2, 3, dtype=D), "b": {"c": torch.randn(2, 3, 4, dtype=D)}}, [2, 3])
+    out = functx.vmap(lambda t, d: t * d["a"] + d["b", "c"].sum(-1), in_dims=(0, 1))(x, td)
+    assert_matches_loop(out, [t * td[:, b]["a"] + td[:, b]["b", "c"].sum(-1) for b, t in enumerate(x.unbind())])
+
+
 def test_outputs_of_different_ranks_raise():
     x = make_nt([3, None, 2], torch.jagged)
     with pytest.raises(ValueError, match="different number of dims per sample"):
@@ -369,3 +403,16 @@ def test_random_programs_match_the_loop(lengths, steps, transform, layout):
     else:
         total = functx.grad(lambda w: functx.vmap(functools.partial(loss, w))(x).sum())(w)
         torch.testing.assert_close(total, sum(per_sample))
+
+
+def test_a_write_into_a_captured_tensor_happens_once_per_sample():
+    """As in the loop (torch.func refuses writes into captured tensors under vmap)."""
+    x = make_nt([3, None, 2], torch.jagged)
+    total = torch.zeros(2, dtype=D)
+
+    def f(t):
+        total.add_(t.sum(0))
+        return t
+
+    functx.vmap(f)(x)
+    torch.testing.assert_close(total, sum(t.sum(0) for t in x.unbind()))
