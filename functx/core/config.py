@@ -2,7 +2,11 @@
 
 `fallback` decides what vmap does for an op without a batching rule or decomposition:
 "warn" (default) runs a per-sample loop and emits one `functx.PerformanceWarning` per op,
-"silent" runs the loop quietly, "error" raises `NotImplementedError` naming the op.
+"silent" runs the loop quietly, "error" raises `NotImplementedError` naming the op. The same
+switch governs the whole-function fallback of a vmap call whose function needs each sample's
+Python value (`if x > 0`, `.item()`): "warn" runs the function once per sample with one
+`PerformanceWarning` per call, "silent" without it, "error" raises torch.func's error (vmap
+over a nested tensor runs per sample under every mode: there is nothing else it can do).
 """
 
 import contextlib

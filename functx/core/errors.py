@@ -13,6 +13,23 @@ class PerformanceWarning(UserWarning):
     """
 
 
+class NeedsPerSampleValues(RuntimeError):
+    """Inside vmap, an op needs each sample's own Python value or output shape (`.item()`,
+    `bool(x)`, `.tolist()`, a `nonzero` whose per-sample shapes differ), which one batched
+    call cannot give. The vmap call of the level `interp` catches it and runs the function
+    once per sample (`functx.set_vmap_fallback("error")`: it raises instead).
+
+    Example:
+        >>> issubclass(NeedsPerSampleValues, RuntimeError)
+        True
+    """
+
+    def __init__(self, message: str, interp=None, what: str = ""):
+        super().__init__(message)
+        self.interp = interp
+        self.what = what or message  # in short, for the fallback's warning
+
+
 class DeadLevelError(RuntimeError):
     """A value from a transform that has already returned was used where a live one is needed."""
 
@@ -50,6 +67,16 @@ _FUNCTX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 _TORCH_DIR = None
 
 
+def internal_dirs() -> tuple:
+    """functx's and torch's package directories: frames there are not the user's."""
+    global _TORCH_DIR
+    if _TORCH_DIR is None:
+        import torch
+
+        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return (_FUNCTX_DIR, _TORCH_DIR)
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that points a warning issued by the caller of this function at the first
     frame outside functx and torch: the user's line, however many wrappers (dynamo's
@@ -60,12 +87,8 @@ def user_stacklevel() -> int:
     """
     import sys
 
-    global _TORCH_DIR
-    if _TORCH_DIR is None:
-        import torch
-
-        _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    internal = internal_dirs()
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith((_FUNCTX_DIR, _TORCH_DIR)):
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level

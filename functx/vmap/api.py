@@ -10,7 +10,9 @@ from ..core import pytree
 from ..core.containers import is_container
 from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
-from .nested import map_per_sample, nested_batch_size
+from ..core import config
+from ..core.errors import NeedsPerSampleValues
+from .nested import map_per_sample, nested_batch_size, per_sample_reason
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
 
@@ -108,14 +110,26 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
     leaves, flat_dims, spec = flatten_in_dims(func, in_dims, args)
     batch_size, nested_layout = _check_and_batch_size(func, in_dims, spec, leaves, flat_dims)
     if nested_layout is not None:  # samples of different shapes: one call per sample (vmap/nested.py)
-        return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, nested_layout)
+        return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, nested_layout, "")
     if chunk_size is None or chunk_size >= batch_size:
         return _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs)
     return _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size)
 
 
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
-    return map_at_level(VmapInterpreter(batch_size, randomness), func, leaves, flat_dims, spec, out_dims, kwargs)
+    interp = VmapInterpreter(batch_size, randomness)
+    state = torch.get_rng_state() if randomness != "error" else None  # (error: nothing could draw)
+    try:
+        return map_at_level(interp, func, leaves, flat_dims, spec, out_dims, kwargs)
+    except NeedsPerSampleValues as error:
+        if error.interp is not interp or config.fallback == "error":
+            raise
+        # Python needs one sample's value (`if x > 0`, `.item()`) or shape: run it per sample,
+        # from the random state the batched attempt started with (vmap/nested.py)
+        if state is not None:
+            torch.set_rng_state(state)
+        reason = per_sample_reason(error)
+    return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, None, reason)
 
 
 def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size):

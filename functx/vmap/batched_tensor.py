@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import NeedsPerSampleValues
 from ..core.level_tensor import LevelTensor, is_user_detach
 from ..core.rules import Overrides, RuleTable
 from .per_sample_check import per_sample_checked
@@ -65,10 +66,12 @@ class BatchedTensor(LevelTensor):
     __str__ = __repr__
 
     def tolist(self):
-        raise RuntimeError(
+        raise NeedsPerSampleValues(
             "vmap: .tolist() of a batched tensor: it needs one Python value per element, but "
             "inside vmap the tensor holds one value per batch element. Return the tensor from the "
-            "vmapped function and call .tolist() on the result."
+            "vmapped function and call .tolist() on the result.",
+            self._interp,
+            ".tolist() needs each sample's Python values",
         )
 
 

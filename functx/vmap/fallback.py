@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ..core import config
-from ..core.errors import PerformanceWarning, op_name, raise_unbatched_inplace
+from ..core.errors import NeedsPerSampleValues, PerformanceWarning, op_name, raise_unbatched_inplace
 from ..core.op_facts import returns_view, writes_argument, writes_out
 
 _warned: set = set()
@@ -81,18 +81,20 @@ def _select_kw(interp, kwargs, b):
     return {k: _select_one(interp, v, b) for k, v in kwargs.items()}
 
 
-def _check_same_shapes(results, name):
+def _check_same_shapes(interp, results, name):
     """The elements' results stack into one batched tensor only when their shapes agree;
     where they do not, the op's output shape depends on the values (nonzero, bincount)."""
     shapes = [_shapes_of(r) for r in results]
     for shape in shapes[1:]:
         if shape != shapes[0]:
-            raise RuntimeError(
+            raise NeedsPerSampleValues(
                 f"vmap: {name} returns a tensor whose shape depends on the values of its input, "
                 f"and the per-sample shapes differ between batch elements ({shapes[0]} and {shape}), "
                 f"so they cannot be stacked into one batched result. Use a fixed-shape formulation "
                 f"instead, e.g. torch.where(mask, x, 0) instead of x[mask], nonzero_static(size=...) "
-                f"instead of nonzero, bincount(minlength=...)."
+                f"instead of nonzero, bincount(minlength=...).",
+                interp,
+                f"{name}'s output shape differs between samples ({shapes[0]} and {shape})",
             )
 
 
@@ -105,7 +107,7 @@ def _shapes_of(result):
 
 
 def _stack_results(interp, results, name):
-    _check_same_shapes(results, name)
+    _check_same_shapes(interp, results, name)
     first = results[0]
     if first is None and all(r is None for r in results):
         return None  # ops that only check their inputs (e.g. _linalg_check_errors)

@@ -27,18 +27,19 @@ dims, `vmap(vmap(f))`, Python control flow on a sample's values).
 
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import torch
 
-from ..core import pytree
+from ..core import config, pytree
 from ..core.containers import is_container
-from ..core.errors import PerformanceWarning, user_stacklevel
+from ..core.errors import PerformanceWarning, internal_dirs as _INTERNAL_DIRS, user_stacklevel
 from .containers import container_leaf
 from .mapping import name_of, out_dims_per_leaf
 from .randomness import random_op_error
 
-__all__ = ["nested_batch_size", "map_per_sample", "join_samples"]
+__all__ = ["nested_batch_size", "map_per_sample", "join_samples", "per_sample_reason"]
 
 _ONLY_DIM_0 = "Nested tensors can only be vmapped over dim=0"  # torch.func's words, which users' code matches
 
@@ -55,12 +56,13 @@ def nested_batch_size(func_name: str, in_dims, where: str, x: torch.Tensor, dim)
     return x.size(0)
 
 
-def map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, layout):
+def map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, layout, reason):
     """vmap of `func` over `leaves` (the args' flat leaves, `spec` their structure, mapped at
     `flat_dims`; a nested one at 0) as a loop over the samples, outputs joined by
-    `join_samples` into `layout`'s nested tensors where their shapes differ."""
+    `join_samples` into `layout`'s nested tensors where their shapes differ (layout None: an
+    error). `reason`: why, for the warning ("": a nested input)."""
     name = name_of(func)
-    warn_per_sample(name, batch_size)
+    warn_per_sample(name, batch_size, reason)
     samples = [None if d is None else _samples_of(x, d) for x, d in zip(leaves, flat_dims)]
     state = _random_state() if randomness != "different" else None
     outputs = []
@@ -111,15 +113,35 @@ def _same_state(a, b) -> bool:
     )
 
 
-def warn_per_sample(func_name: str, batch_size: int):
-    warnings.warn(
-        f"vmap({func_name}) over a nested tensor runs {func_name} once per sample ({batch_size} "
-        f"samples): nested tensors' samples have different shapes, which one batched call cannot "
-        f"hold. To vectorize, pad the samples to one length (with a mask) and vmap over the padded "
-        f"tensor.",
-        PerformanceWarning,
-        stacklevel=user_stacklevel(),
-    )
+def warn_per_sample(func_name: str, batch_size: int, reason: str):
+    if config.fallback == "silent":
+        return
+    if reason:
+        text = (
+            f"vmap({func_name}) runs {func_name} once per sample ({batch_size} samples): {reason}. "
+            f"To vectorize, compute both branches and select with torch.where, or use a "
+            f"fixed-shape op; functx.set_vmap_fallback('error') makes this an error."
+        )
+    else:
+        text = (
+            f"vmap({func_name}) over a nested tensor runs {func_name} once per sample ({batch_size} "
+            f"samples): nested tensors' samples have different shapes, which one batched call cannot "
+            f"hold. To vectorize, pad the samples to one length (with a mask) and vmap over the "
+            f"padded tensor."
+        )
+    warnings.warn(text, PerformanceWarning, stacklevel=user_stacklevel())
+
+
+def per_sample_reason(error) -> str:
+    """What a `NeedsPerSampleValues` says, in short, with the user's line that raised it (the
+    innermost frame of its traceback outside functx and torch)."""
+    where = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if not frame.filename.startswith(_INTERNAL_DIRS()):
+            where = frame
+    if where is None:
+        return error.what
+    return f"{error.what}, at {where.filename}:{where.lineno} (`{(where.line or '').strip()}`)"
 
 
 def join_samples(func_name: str, out_dims, index: int, outputs: list, out_dim, layout):
@@ -150,7 +172,14 @@ def join_samples(func_name: str, out_dims, index: int, outputs: list, out_dim, l
                 f"for an output of {rank - 1} dimensions (expected -{rank} <= out_dim < {rank})."
             )
         return torch.stack(outputs, dim=out_dim)
-    shapes = ", ".join(str(tuple(o.shape)) for o in outputs[:3]) + (", ..." if len(outputs) > 3 else "")
+    distinct = list(dict.fromkeys(tuple(o.shape) for o in outputs))
+    shapes = ", ".join(str(shape) for shape in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
+    if layout is None:
+        raise RuntimeError(
+            f"vmap({func_name}, ...): output {index} has different shapes per sample ({shapes}) "
+            f"under vmap's per-sample fallback, and vmap stacks outputs of one shape: return a "
+            f"fixed shape (pad it), or map over a nested tensor to get a nested output."
+        )
     if out_dim % rank != 0:
         raise RuntimeError(
             f"vmap({func_name}, ..., out_dims={out_dims}): output {index} has different shapes per "

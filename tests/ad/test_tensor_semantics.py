@@ -63,10 +63,15 @@ def test_observations_inside_transforms_match_torch_func(transform, probe):
     assert actual == expected
 
 
-def test_tolist_under_vmap_is_refused_like_torch_func():
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+def test_tolist_under_vmap():
+    """torch.func refuses; functx runs the function per sample (tests/vmap/test_per_sample_fallback.py),
+    or refuses as torch.func with the fallback mode "error"."""
     with pytest.raises(RuntimeError):
         torch.func.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
-    with pytest.raises(RuntimeError, match="tolist"):
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(functx.vmap(lambda t: t * len(t.tolist()))(x), x * 3)
+    with functx.vmap_fallback("error"), pytest.raises(RuntimeError, match="tolist"):
         functx.vmap(lambda t: (t.tolist(), t)[1])(torch.ones(2, 3))
 
 

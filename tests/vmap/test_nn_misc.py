@@ -87,9 +87,18 @@ def test_shuffles_check_the_logical_rank(fn, match):
         vmap(fn)(torch.randn(B, 4, 4))
 
 
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
 def test_one_hot_without_num_classes_is_data_dependent():
-    with pytest.raises(RuntimeError, match="item"):
-        vmap(F.one_hot)(torch.randint(0, 5, (B, 4)))
+    """Its width is each sample's max + 1, a Python value: per sample (vmap's fallback), an
+    error where the widths differ, torch.func's error with the fallback mode "error"."""
+    x = torch.randint(0, 4, (B, 4))
+    x[:, 0] = 4
+    with functx.vmap_fallback("error"), pytest.raises(RuntimeError, match="item"):
+        vmap(F.one_hot)(x)
+    torch.testing.assert_close(vmap(F.one_hot)(x), torch.stack([F.one_hot(r) for r in x]))
+    x[0, 0] = 6
+    with pytest.raises(RuntimeError, match="different shapes per sample"):
+        vmap(F.one_hot)(x)
 
 
 def test_nested_prelu_ensemble():

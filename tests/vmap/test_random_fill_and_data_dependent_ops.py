@@ -191,12 +191,15 @@ def test_inplace_fill_of_unbatched_tensor_with_batched_value_raises(name):
         vmap(FILLS[name], in_dims=(None, 0))(x, v)
 
 
-def test_full_like_with_batched_value_raises_like_torch_func():
-    """full_like takes a Python number: a batched one would need .item()."""
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+def test_full_like_with_batched_value():
+    """full_like takes a Python number: a batched one needs .item(). torch.func raises; functx
+    runs per sample (vmap's whole-function fallback), or raises with the fallback mode "error"."""
     x, v = torch.randn(3, 4), torch.randn(3)
     with pytest.raises(RuntimeError):
         torch.func.vmap(torch.full_like)(x, v)
-    with pytest.raises(RuntimeError, match=r"vmap.*\.item\(\)"):
+    torch.testing.assert_close(vmap(torch.full_like)(x, v), torch.stack([torch.full_like(a, b.item()) for a, b in zip(x, v)]))
+    with functx.vmap_fallback("error"), pytest.raises(RuntimeError, match=r"vmap.*\.item\(\)"):
         vmap(torch.full_like)(x, v)
 
 
@@ -315,9 +318,12 @@ def test_data_dependent_shape_ops_stack_equal_shapes(name):
 
 @pytest.mark.parametrize("name", list(DIFFER))
 def test_data_dependent_shape_ops_with_different_shapes_raise(name):
+    """The op's per-element loop meets different shapes, so the whole function runs per
+    sample (vmap's fallback), whose output then has different shapes per sample: an error."""
     f, x, op = DIFFER[name]
-    with pytest.raises(RuntimeError, match=rf"(?s)vmap: {re.escape(op)}.*per-sample shapes differ"):
-        vmap(f)(x)
+    with pytest.warns(functx.PerformanceWarning, match=rf"{re.escape(op)}'s output shape differs between samples"):
+        with pytest.raises(RuntimeError, match=r"output 0 has different shapes per sample.*per-sample fallback"):
+            vmap(f)(x)
 
 
 def test_torch_func_oracle_for_argwhere_and_bincount():
@@ -481,12 +487,16 @@ def test_ctc_loss_in_nested_vmap_matches_loop():
     torch.testing.assert_close(nested.flatten(0, 1), _loop_ctc(f, (lp, tg, il, tl), in_dims))
 
 
-def test_ctc_loss_with_longest_targets_differing_between_elements_raises():
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+def test_ctc_loss_with_longest_targets_differing_between_elements():
     """log_alpha is (N, T, 2 * max(target_lengths) + 1): elements whose longest targets
-    differ have log_alphas of different shapes, which no batched tensor can hold."""
+    differ have log_alphas of different shapes, which no batched tensor can hold: the whole
+    function runs per sample (vmap's fallback; torch.func loops too), or with the fallback
+    mode "error" it raises."""
     (lp, tg, il, tl), in_dims = _ctc_case("padded")
     tl = tl.clone()
     tl[0] = torch.tensor([1, 2, 2])
     f = lambda *a: F.ctc_loss(*a, reduction="none")
-    with pytest.raises(RuntimeError, match=r"(?s)vmap: aten::_ctc_loss .*log_alpha.*per-sample shapes differ"):
+    with functx.vmap_fallback("error"), pytest.raises(RuntimeError, match=r"(?s)vmap: aten::_ctc_loss .*log_alpha.*per-sample shapes differ"):
         vmap(f)(lp, tg, il, tl)
+    torch.testing.assert_close(vmap(f, in_dims=in_dims)(lp, tg, il, tl), loop(f, (lp, tg, il, tl), in_dims))

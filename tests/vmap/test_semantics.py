@@ -157,12 +157,26 @@ def test_new_zeros_of_batched_tensor_accepts_batched_writes():
     ],
     ids=["item", "bool", "int", "float", "nonzero", "mask_index", "masked_select", "unique"],
 )
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
 def test_data_dependent_ops_raise_naming_vmap_and_where(f):
     """Shape-dependent ops run per sample and stack equal shapes (test_random_fill_and_data_dependent_ops.py): here
-    every row has its own count of nonzero, positive and distinct entries."""
+    every row has its own count of nonzero, positive and distinct entries, so the whole
+    function's per-sample run (vmap's fallback) has outputs of different shapes: an error. A
+    Python value of a sample raises torch.func's error with the fallback mode "error"."""
     x = torch.tensor([[1.0, 0, 2], [0, 0, 3], [1, 1, 1], [-1, 2, -3]])
-    with pytest.raises(RuntimeError, match=r"(?s)vmap.*torch\.where"):
-        vmap(f)(x)
+    try:
+        with functx.vmap_fallback("error"):
+            vmap(f)(x)
+    except RuntimeError as error:
+        assert "torch.where" in str(error) or "per-sample fallback is switched off" in str(error)
+    else:
+        raise AssertionError("no error")
+    try:
+        out = vmap(f)(x)
+    except (RuntimeError, ValueError) as error:  # ragged outputs, or Python numbers returned
+        assert "different shapes per sample" in str(error) or "must only return Tensors" in str(error)
+    else:  # the `if` returns a tensor of one shape per sample
+        torch.testing.assert_close(out, torch.stack([f(a) for a in x]))
 
 
 def test_fallback_warns_once_and_can_be_made_an_error():

@@ -1,5 +1,7 @@
 """Ops whose result depends on tensor *values* in Python (`.item()`, `bool(x)`) cannot run
-under vmap: raise an error that says so and points to `torch.where`.
+under vmap: raise `NeedsPerSampleValues`, which the vmap call of the level catches to run
+the function once per sample (vmap/api.py), or, with the fallback mode "error", the user
+gets: its message says so and points to `torch.where`.
 
 Ops whose output *shape* depends on the values (`nonzero`, `bincount`, `unique`,
 `masked_select` with a batched mask) cannot be vectorized, but each batch element's result
@@ -11,7 +13,7 @@ import math
 
 import torch
 
-from ...core.errors import op_name
+from ...core.errors import NeedsPerSampleValues, op_name
 from ...core.op_facts import writes_any
 from ..batched_tensor import VMAP_RULES
 from ..fallback import loop_fallback
@@ -20,8 +22,9 @@ from ..templates import pad_to_rank
 aten = torch.ops.aten
 
 
-def _data_dependent_rule(op):
+def _data_dependent_rule(op, error=NeedsPerSampleValues):
     name = op_name(op)
+    short = f"{name} needs one Python value of each sample (.item(), bool(), int(), float(), if)"
     if op in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.item.default):
         what = (
             f"vmap: It looks like you're calling .item() (or bool(), int(), float()) on a batched "
@@ -30,6 +33,7 @@ def _data_dependent_rule(op):
             f"supported under vmap; compute both branches and select with torch.where(cond, a, b)."
         )
     else:
+        short = f"{name} returns a tensor whose shape depends on each sample's values"
         what = (
             f"vmap: {name} returns a tensor whose shape depends on the values of its input, so "
             f"batch elements would get different shapes and cannot be stacked. Use a fixed-shape "
@@ -38,16 +42,17 @@ def _data_dependent_rule(op):
         )
 
     def rule(interp, *args, **kwargs):
-        raise RuntimeError(what)
+        raise error(what, interp, short) if error is NeedsPerSampleValues else error(what)
 
     return rule
 
 
 def _per_sample_rule(op):
     """A dynamic-output-shape op: the per-sample loop, which stacks equal shapes and
-    raises for different ones. Its out= variant (one buffer for all elements) raises."""
+    raises for different ones. Its out= variant (one buffer for all elements) raises, and not
+    for vmap's whole-function fallback: each sample would write into the one buffer."""
     if writes_any(op):
-        return _data_dependent_rule(op)
+        return _data_dependent_rule(op, RuntimeError)
     return loop_fallback(
         op,
         warning=(

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ...core.errors import NeedsPerSampleValues
 from ...core.level_tensor import LevelTensor
 from ..batched_tensor import VMAP_RULES
 from ..fallback import loop_fallback
@@ -292,11 +293,13 @@ def _ctc_rule(op, fold):
         if agree is None:
             return per_sample(interp, *args, **kwargs)
         if not agree:
-            raise RuntimeError(
+            raise NeedsPerSampleValues(
                 f"vmap: {name} with a longest target that differs between batch elements: "
                 f"log_alpha's shape depends on the values of target_lengths, (N, T, 2 * "
                 f"max(target_lengths) + 1), so the per-sample shapes differ and cannot be stacked. "
-                f"Pass target_lengths unbatched, or give every batch element the same longest target."
+                f"Pass target_lengths unbatched, or give every batch element the same longest target.",
+                interp,
+                f"{name}'s log_alpha is as wide as each sample's longest target, which differs between samples",
             )
         return fold(op, interp, *args, **kwargs)
 
