@@ -12,7 +12,7 @@ from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
 from ..core import config
 from ..core.errors import NeedsPerSampleValues
-from .nested import map_per_sample, nested_batch_size, per_sample_reason
+from .nested import map_per_sample, nested_batch_size, per_sample_reason, raise_written_before_fallback
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
 
@@ -119,11 +119,14 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
     interp = VmapInterpreter(batch_size, randomness)
     state = torch.get_rng_state() if randomness != "error" else None  # (error: nothing could draw)
+    versions = [x._version for x in leaves if isinstance(x, torch.Tensor)]
     try:
         return map_at_level(interp, func, leaves, flat_dims, spec, out_dims, kwargs)
     except NeedsPerSampleValues as error:
         if error.interp is not interp or config.fallback == "error":
             raise
+        if versions != [x._version for x in leaves if isinstance(x, torch.Tensor)]:
+            raise_written_before_fallback(func, error)
         # Python needs one sample's value (`if x > 0`, `.item()`) or shape: run it per sample,
         # from the random state the batched attempt started with (vmap/nested.py)
         if state is not None:

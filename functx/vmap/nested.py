@@ -39,7 +39,7 @@ from .containers import container_leaf
 from .mapping import name_of, out_dims_per_leaf
 from .randomness import random_op_error
 
-__all__ = ["nested_batch_size", "map_per_sample", "join_samples", "per_sample_reason"]
+__all__ = ["nested_batch_size", "map_per_sample", "join_samples", "per_sample_reason", "raise_written_before_fallback"]
 
 _ONLY_DIM_0 = "Nested tensors can only be vmapped over dim=0"  # torch.func's words, which users' code matches
 
@@ -85,6 +85,18 @@ def map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_di
     flat_out_dims = out_dims_per_leaf(func, out_dims, outputs[0], len(flat[0][0]), keep_whole)
     joined = [join_samples(name, out_dims, i, [f[0][i] for f in flat], d, layout) for i, d in enumerate(flat_out_dims)]
     return pytree.tree_unflatten(out_spec, joined)
+
+
+def raise_written_before_fallback(func, error):
+    """The batched attempt wrote into an input before an op needed a sample's value: running
+    the function again per sample would write twice, so refuse (a wrong number otherwise)."""
+    name = name_of(func)
+    raise RuntimeError(
+        f"vmap({name}, ...): {per_sample_reason(error)}, so vmap would run {name} once per sample, "
+        f"but {name} had already written in place into one of its inputs, and running it again "
+        f"would write a second time. Write into a copy (x = x.clone()) or after the value is read, "
+        f"or compute both branches and select with torch.where."
+    ) from error
 
 
 def _samples_of(x, dim: int):

@@ -225,6 +225,10 @@ class Op:
             return (lambda vals: vals[cur].pow(p["p"])), s, f"{a}.pow({p['p']})"
         if name == "where":
             return (lambda vals: torch.where(vals[cur] > 0, vals[cur], vals[cur] * vals[cur])), s, f"torch.where({a} > 0, {a}, {a} * {a})"
+        if name == "branch":  # Python control flow on a value: under vmap, the per-sample fallback
+            return (
+                lambda vals: torch.sin(vals[cur]) if vals[cur].sum() > 0 else vals[cur] * vals[cur]
+            ), s, f"torch.sin({a}) if {a}.sum() > 0 else {a} * {a}"
         if name == "const":
             c = const(p["seed"], s)
             sym = {"mul": "*", "add": "+"}[p["kind"]]
@@ -551,7 +555,7 @@ LINALG_KINDS = ["inv", "det", "solve", "cholesky", "eigvalsh", "eigh", "slogdet"
                 "lu_solve", "cholesky_solve", "pinv", "qr"]  # fmt: skip
 
 FAMILIES = {
-    "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where", "unary"],
+    "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where", "unary", "branch"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
     "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
@@ -1208,6 +1212,10 @@ ALLOWED_ERRORS = [
     re.compile(r"\(a captured tensor\)"),
     re.compile(r"a leaf Variable that requires grad is being used in an in-place operation"),
     re.compile(r"more than one element of the written-to tensor refers to a single memory location"),
+    # a Python `if` on a sample's value (`branch`) after a write into an argument: vmap's
+    # per-sample fallback would run the write twice, so it refuses (torch.func refuses the
+    # `if` itself); found by this fuzzer as a wrong value before the refusal existed
+    re.compile(r"had already written in place into one of its inputs"),
     # torch's own higher-order formulas of the fused losses under the caller's autograd
     # (mse_loss then l1_loss differentiated three times: plain torch raises the same)
     re.compile(r"ZeroTensors are immutable"),

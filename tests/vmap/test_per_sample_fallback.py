@@ -230,3 +230,25 @@ def test_silent_mode_runs_without_a_warning():
     with functx.vmap_fallback("silent"), warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(functx.vmap(branchy)(x), loop(branchy, x))
+
+
+def test_a_write_into_an_input_before_the_value_is_read_is_refused():
+    """Found by the fuzzer: the batched attempt had multiplied the input in place before the
+    `if`, and the per-sample run multiplied it again (107.98 where the loop gives -0.9994).
+    Running the function twice would write twice: an error, the input written once."""
+    x = torch.randn(3, 4, dtype=D)
+    before = x.clone()
+
+    def f(v):
+        v.mul_(2.0)
+        return branchy(v)
+
+    with pytest.raises(RuntimeError, match=r"had already written in place into one of its inputs.*clone"):
+        functx.vmap(f)(x)
+    torch.testing.assert_close(x, before * 2)
+    assert current_stack() == ()
+    # written after the value is read, or into a copy: the loop's values
+    x = before.clone()
+    g = lambda v: branchy(v.clone().mul_(2.0))  # noqa: E731
+    torch.testing.assert_close(functx.vmap(g)(x), loop(g, before))
+    torch.testing.assert_close(x, before)
