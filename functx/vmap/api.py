@@ -119,13 +119,13 @@ def _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs):
 def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs):
     interp = VmapInterpreter(batch_size, randomness)
     state = torch.get_rng_state() if randomness != "error" else None  # (error: nothing could draw)
-    versions = [x._version for x in leaves if isinstance(x, torch.Tensor)]
+    versions = [x._version for x in leaves if isinstance(x, torch.Tensor) and not x.is_inference()]
     try:
         return map_at_level(interp, func, leaves, flat_dims, spec, out_dims, kwargs)
     except NeedsPerSampleValues as error:
         if error.interp is not interp or config.fallback == "error":
             raise
-        if versions != [x._version for x in leaves if isinstance(x, torch.Tensor)]:
+        if versions != [x._version for x in leaves if isinstance(x, torch.Tensor) and not x.is_inference()]:
             raise_written_before_fallback(func, error)
         # Python needs one sample's value (`if x > 0`, `.item()`) or shape: run it per sample,
         # from the random state the batched attempt started with (vmap/nested.py)
