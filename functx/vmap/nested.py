@@ -34,7 +34,7 @@ import torch
 
 from ..core import config, pytree
 from ..core.containers import is_container
-from ..core.errors import PerformanceWarning, internal_dirs as _INTERNAL_DIRS, user_stacklevel
+from ..core.errors import PerformanceWarning, internal_dirs, user_stacklevel
 from .containers import container_leaf
 from .mapping import name_of, out_dims_per_leaf
 from .randomness import random_op_error
@@ -147,9 +147,9 @@ def warn_per_sample(func_name: str, batch_size: int, reason: str):
 def per_sample_reason(error) -> str:
     """What a `NeedsPerSampleValues` says, in short, with the user's line that raised it (the
     innermost frame of its traceback outside functx and torch)."""
-    where = None
+    where, internal = None, internal_dirs()
     for frame in traceback.extract_tb(error.__traceback__):
-        if not frame.filename.startswith(_INTERNAL_DIRS()):
+        if not frame.filename.startswith(internal):
             where = frame
     if where is None:
         return error.what
