@@ -2,6 +2,7 @@
 
 from . import custom_function  # noqa: F401  (installs functx's Function.apply)
 from . import lazy_bits  # noqa: F401  (its kernels, installed at the first transform)
+from . import control_flow  # noqa: F401  (torch's control-flow operators inside transforms)
 from .config import set_vmap_fallback, vmap_fallback
 from .errors import PerformanceWarning
 from .interpreter import Interpreter, current_stack, interpreting, top_interpreter

@@ -24,10 +24,14 @@ class NeedsPerSampleValues(RuntimeError):
         True
     """
 
-    def __init__(self, message: str, interp=None, what: str = ""):
+    def __init__(self, message: str, interp=None, what: str = "", samples=None):
         super().__init__(message)
         self.interp = interp
         self.what = what or message  # in short, for the fallback's warning
+        # the tensor whose value was asked for, one sample per row (the level's physical
+        # value, a tensor of the levels below): what a control-flow operator reduces over
+        # the samples (core/control_flow.py: a while_loop runs while any sample goes on)
+        self.samples = samples
 
 
 class DeadLevelError(RuntimeError):

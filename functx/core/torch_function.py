@@ -35,6 +35,12 @@ from .patches import way_in
 Handler = Callable[[Any, tuple, tuple, dict], Any]
 
 
+# torch calls functx runs as the Python they mean, before any handler sees them, with every
+# live handler seeing the torch calls inside (core/control_flow.py: torch's control-flow
+# operators, whose bodies are the user's functions): {func: implementation}
+RUN_AS_PYTHON: dict = {}
+
+
 class _UserCalls(TorchFunctionMode):
     """The mode (one per thread): the handlers live now, outermost first."""
 
@@ -47,6 +53,10 @@ class _UserCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.on_stack = False
         try:
+            run = RUN_AS_PYTHON.get(func)
+            if run is not None:
+                with seen_by_outer():
+                    return run(*args, **({} if kwargs is None else kwargs))
             return self.through_handlers(func, types, args, {} if kwargs is None else kwargs)
         finally:
             self.on_stack = True

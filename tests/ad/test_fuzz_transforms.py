@@ -100,6 +100,7 @@ import torch.nn.functional as F
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from hypothesis import HealthCheck, assume, currently_in_test_context, event, given, seed, settings
 from hypothesis import strategies as st
+from torch._higher_order_ops import scan, while_loop
 from torch.utils._pytree import tree_leaves
 
 import functx
@@ -229,6 +230,8 @@ class Op:
             return (
                 lambda vals: torch.sin(vals[cur]) if vals[cur].sum() > 0 else vals[cur] * vals[cur]
             ), s, f"torch.sin({a}) if {a}.sum() > 0 else {a} * {a}"
+        if name in ("cond_op", "while_op", "scan_op"):  # torch's control-flow operators
+            return _control_flow_op(name, cur, s, a)
         if name == "const":
             c = const(p["seed"], s)
             sym = {"mul": "*", "add": "+"}[p["kind"]]
@@ -551,12 +554,57 @@ class Op:
         raise ValueError(f"unknown op {name!r}")
 
 
+def _uses_operators():
+    """Whether the control-flow ops run as torch's operators (under functx; torch.func refuses
+    them) or as the Python they mean (the reference, torch.func)."""
+    return getattr(_RUN, "lib", None) is functx
+
+
+def _control_flow_op(name, cur, s, a):
+    """torch.cond / while_loop / scan on the current value, or the same Python."""
+    if name == "cond_op":
+
+        def fn(vals):
+            v = vals[cur]
+            if _uses_operators():
+                return torch.cond(v.sum() > 0, torch.sin, lambda u: u * u, (v,))
+            return torch.sin(v) if v.sum() > 0 else v * v
+
+        return fn, s, f"torch.cond({a}.sum() > 0, torch.sin, lambda u: u * u, ({a},))"
+    if name == "while_op":  # at most 3 iterations, fewer where the value grows past 2
+
+        def fn(vals):
+            v = vals[cur]
+            if _uses_operators():
+                go = lambda i, u: (i < 3) & (u.abs().sum() < 2)  # noqa: E731
+                return while_loop(go, lambda i, u: (i + 1, u * 1.5 + 0.1 * torch.sin(u)), (torch.tensor(0), v))[1]
+            i = 0
+            while i < 3 and v.abs().sum() < 2:
+                i, v = i + 1, v * 1.5 + 0.1 * torch.sin(v)
+            return v
+
+        return fn, s, f"while_loop(i < 3 and |{a}|_1 < 2: {a} = 1.5 {a} + 0.1 sin({a}))"
+
+    def fn(vals):  # scan over dim 0: carry c = tanh(c + row), output c * row
+        v = vals[cur]
+        if _uses_operators():
+            return scan(lambda c, row: (torch.tanh(c + row), torch.tanh(c + row) * row), v[0] * 0, v)[1]
+        c, out = v[0] * 0, []
+        for row in v:
+            c = torch.tanh(c + row)
+            out.append(c * row)
+        return torch.stack(out)
+
+    return fn, s, f"scan(c = tanh(c + row), c * row over {a})"
+
+
 LINALG_KINDS = ["inv", "det", "solve", "cholesky", "eigvalsh", "eigh", "slogdet", "svdvals", "matrix_exp",
                 "lu_solve", "cholesky_solve", "pinv", "qr"]  # fmt: skip
 
 FAMILIES = {
     "pointwise": ["sin", "exp", "tanh", "sigmoid", "pow", "const", "binary", "where", "unary"],
-    "control_flow": ["branch"],  # not in PURE_FAMILIES: the staging fuzzers cannot trace a Python if
+    # not in PURE_FAMILIES: the staging fuzzers cannot trace a Python if
+    "control_flow": ["branch", "cond_op", "while_op", "scan_op"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
     "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
@@ -578,7 +626,7 @@ def _applicable(name, s):
     nd, n = len(s), numel(s)
     if name == "arg_write":
         return False  # drawn by `programs` at position 0 only
-    if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem", "linalg", "spectral"):
+    if name in ("sum", "mean", "logsumexp", "amax", "select", "index_select", "gather", "softmax", "matmul", "clone_setitem", "linalg", "spectral", "scan_op"):
         return nd >= 1
     if name == "gram":
         return nd >= 1 and s[-1] ** 2 <= MAX_NUMEL
@@ -1396,6 +1444,14 @@ PURE_FAMILIES = ["pointwise", "reduction", "view", "nn"]
 @given(cases(PURE_FAMILIES + ["control_flow"], REVERSE))
 def test_fuzz_vmap_and_reverse(case):
     """Stacks of vmap, grad, vjp, jacrev over programs without in-place ops or detach."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES + ["control_flow"], ALL, must_op=["cond_op", "while_op", "scan_op"]))
+def test_fuzz_control_flow_operators(case):
+    """Programs with torch.cond, while_loop or scan (core/control_flow.py) under every
+    transform, against the same program with Python control flow in plain autograd."""
     check(case)
 
 

@@ -42,7 +42,10 @@ def _data_dependent_rule(op, error=NeedsPerSampleValues):
         )
 
     def rule(interp, *args, **kwargs):
-        raise error(what, interp, short) if error is NeedsPerSampleValues else error(what)
+        if error is not NeedsPerSampleValues:
+            raise error(what)
+        read = args[0] if len(args) == 1 and interp.is_batched(args[0]) else None
+        raise error(what, interp, short, samples=None if read is None else read._value)
 
     return rule
 
