@@ -77,6 +77,12 @@ def _wrap_outputs(level, outputs, args, values):
     return wrap(outputs)
 
 
+def function_jvp_without_formula(function, primals, tangents, kwargs):
+    """`(outputs, output tangents)` of a Function without a jvp staticmethod, one level down.
+    The transforms above the levels install it (forward.function_jvp_by_double_vjp)."""
+    raise RuntimeError(no_jvp_message(function.__name__))
+
+
 def no_jvp_message(name):
     return (
         f"functx.jvp: the autograd.Function {name} has no jvp staticmethod. Forward-mode "
@@ -193,8 +199,10 @@ def _apply_at_jvp_level(level, function, args, kwargs):
         with applying_below(level):
             outputs = function.apply(*primals, **kwargs)
         return level.wrap_outputs(outputs, False)
-    if is_new_style(function) and function.jvp is torch.autograd.Function.jvp:
-        raise RuntimeError(no_jvp_message(function.__name__))
+    if function.jvp is torch.autograd.Function.jvp:  # no forward formula: the double-VJP identity
+        with applying_below(level):
+            out, out_tangents = function_jvp_without_formula(function, primals, tangents, kwargs)
+        return level._wrap_pairs(out, out_tangents)
     # torch's own apply on plain duals, unless a tangent is another level's (a vmap's
     # BatchedTensor): torch would check the view-ness of the jvp's result on that wrapper,
     # which is never a C++ view ("forward is returning a view but the jvp is not")

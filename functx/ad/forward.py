@@ -23,6 +23,7 @@ from ..core.torch_function import CallHandler
 
 from ..core import pytree
 from ..core.custom_function import in_function_body
+from ..core.control_flow import any_sample
 from ..core.errors import PerformanceWarning
 from ..core.interpreter import current_stack, functx_code, interpreting, top_interpreter
 from ..vmap import vmap
@@ -31,30 +32,56 @@ from .choose import JACFWD, JVP, choose_level
 from .direct_forward import DirectJvpLevel
 from .level import dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
-from . import wrapped_forward
+from . import custom_function, wrapped_forward
+from .custom_function import no_jvp_message
 from .library_ops import prepare_forward_mode
 from .wrapped_forward import NO_FORWARD_FORMULA, WrappedJvpLevel
 
 _JVP = "jvp(f, primals, tangents)"
 
 
-def _tangent_map(vjp_fn, flat_out, out_spec):
-    """jvp_fn(flat_tangents) -> flat output tangents, by differentiating vjp_fn."""
+def _tangent_map(vjp_fn, flat_out, out_spec, backward_of=None):
+    """jvp_fn(flat_tangents) -> flat output tangents, by differentiating vjp_fn. `backward_of`
+    (a Function's name): vjp_fn is that Function's backward, which may have no derivative in
+    torch ops (NumPy or an extension's kernel inside, a detached cotangent): the tangents
+    would come out 0, a wrong value, so they are checked (`_check_identity`)."""
+
+    def pairing(cotangent, flat_tangents, create_graph=True):
+        grads = pytree.tree_leaves(vjp_fn(pytree.tree_unflatten(out_spec, list(cotangent)), create_graph=create_graph))
+        total = 0
+        for g, t in zip(grads, flat_tangents):
+            if t.is_inference():  # made under torch.inference_mode(): cannot be saved for backward
+                t = t.clone()
+            total = total + (g * t).sum()
+        return total
 
     def jvp_fn(flat_tangents):
-        def pairing(*cotangent):
-            grads = pytree.tree_leaves(vjp_fn(pytree.tree_unflatten(out_spec, list(cotangent)), create_graph=True))
-            total = 0
-            for g, t in zip(grads, flat_tangents):
-                if t.is_inference():  # made under torch.inference_mode(): cannot be saved for backward
-                    t = t.clone()
-                total = total + (g * t).sum()
-            return total
-
         zeros = [torch.zeros_like(o) for o in flat_out]
-        return list(grad(pairing, argnums=tuple(range(len(zeros))))(*zeros))
+        tangents = list(grad(lambda *u: pairing(u, flat_tangents), argnums=tuple(range(len(zeros))))(*zeros))
+        if backward_of is not None:
+            ones = [torch.ones_like(o) for o in flat_out]
+            _check_identity(pairing(ones, flat_tangents, create_graph=False), tangents, backward_of)
+        return tangents
 
     return jvp_fn
+
+
+def _check_identity(paired, tangents, name):
+    """The pairing is linear in the cotangent u, so at u = ones, <Jᵀ1, t> must equal the sum
+    of the tangents Jt the identity gave: it does not where the backward has no derivative
+    (Jt came out 0). Checked for every sample of the vmap levels around."""
+    if not isinstance(paired, torch.Tensor):  # no differentiated output
+        return
+    via = sum(t.sum() for t in tangents)
+    scale = paired.abs() + sum(t.abs().sum() for t in tangents)
+    tolerance = torch.finfo(paired.dtype).eps ** 0.5 * 10
+    if any_sample((paired - via).abs() > tolerance * scale):
+        raise RuntimeError(
+            f"functx.jvp: the autograd.Function {name} has no jvp staticmethod, and its backward "
+            f"is not differentiable in torch ops (NumPy, an extension's kernel, or a detached "
+            f"cotangent), so the double-VJP identity, functx's forward derivative of a Function "
+            f"without jvp, cannot go through it: define `jvp(ctx, *tangents)` on {name}."
+        )
 
 
 def _check_primals_tangents(primals, tangents, api):
@@ -111,14 +138,16 @@ def _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=Fals
         try:
             return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
         except RuntimeError as error:
-            if not _LAYOUT_CHECKS.search(str(error)):
+            if not (_LAYOUT_CHECKS.search(str(error)) or _NO_JVP_STATICMETHOD.search(str(error))):
                 raise
         # torch's forward AD on plain primals with vmap's BatchedTensor tangents: its C++
         # checks of a view's tangent read bits vmap's wrappers do not carry (the conj bit of
         # `x.conj()`, materialized under vmap; a Function's view-ness), and refuse a program
         # torch.func computes (`vmap(jvp)` of an FFT power spectrum, `X * X.conj()`, with an
         # unbatched primal). A wrapped level makes the tangent of every view itself: run it
-        # there (the function runs again, as the double-VJP fallback below reruns it).
+        # there (the function runs again, as the double-VJP fallback below reruns it). There
+        # too an autograd.Function without a jvp staticmethod gets its tangent by the
+        # double-VJP identity on it alone, which torch's forward AD cannot do.
         return _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=True)
     return _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api)
 
@@ -129,6 +158,11 @@ _LAYOUT_CHECKS = re.compile(
     r"Expected the output of forward differentiable view operations to have the tangent have the same layout"
     r"|is returning a view (?:\(or an input as-is\) )?but the jvp is not returning a view"
 )
+
+
+# an autograd.Function without a jvp staticmethod met by a direct level (functx's error on
+# values, torch's under vmap): see `_forward_jvp`
+_NO_JVP_STATICMETHOD = re.compile(r"has no jvp staticmethod|You must implement the jvp function for custom autograd")
 
 
 def _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api):
@@ -144,11 +178,11 @@ def _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
-def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api):
+def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api, backward_of=None):
     """The same as `_forward_jvp`, by the double-VJP identity (reverse mode only)."""
     output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
     flat_out, out_spec = pytree.tree_flatten(output)
-    tangents = _tangent_map(vjp_fn, flat_out, out_spec)(flat_tangents)
+    tangents = _tangent_map(vjp_fn, flat_out, out_spec, backward_of)(flat_tangents)
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
 
@@ -230,7 +264,7 @@ def _forward_level_outside() -> bool:
     return any(isinstance(level, (DirectJvpLevel, WrappedJvpLevel)) for level in current_stack())
 
 
-def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
+def jvp_by_double_vjp(op, primals, tangents, kwargs, error, backward_of=None):
     """`(output, output tangents)` of one ATen op with no forward formula (called by a
     wrapped jvp level, one level down): the double-VJP identity on the op alone."""
     _warn_no_forward_formula(error, stacklevel=2)
@@ -243,7 +277,7 @@ def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
         return op(*args, **kwargs)
 
     flat_out, flat_tangents, out_spec, _ = _double_vjp_jvp(
-        of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP
+        of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP, backward_of
     )
     missing = object()  # an output with no tangent (None is not a pytree leaf)
     tangents = pytree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
@@ -251,6 +285,38 @@ def jvp_by_double_vjp(op, primals, tangents, kwargs, error):
 
 
 wrapped_forward.op_jvp_without_formula = jvp_by_double_vjp  # the levels sit below the transforms
+
+
+def function_jvp_by_double_vjp(function, primals, tangents, kwargs):
+    """`(outputs, output tangents)` of an autograd.Function without a jvp staticmethod (old
+    style or new, called by a wrapped jvp level one level down): the double-VJP identity
+    through its backward, which must then be differentiable (torch.func raises "You must
+    implement the jvp function"). A `@once_differentiable` backward (whose second derivative
+    functx, as torch.func, takes as zero) or one that is not written in torch ops raises."""
+    name = function.__name__
+    code = getattr(function.backward, "__code__", None)
+    if code is not None and "once_differentiable" in code.co_qualname:
+        raise RuntimeError(
+            f"{no_jvp_message(name)} Its backward is @once_differentiable, so the double-VJP "
+            f"identity (functx's forward derivative of a Function without jvp) cannot go through it."
+        )
+    error = NotImplementedError(f"{NO_FORWARD_FORMULA} the autograd.Function {name}, which has no jvp staticmethod.")
+    try:
+        return jvp_by_double_vjp(lambda *xs: function.apply(*xs, **kwargs), primals, tangents, {}, error, name)
+    except RuntimeError as failure:
+        if _NUMPY_ON_A_LEVEL not in str(failure):
+            raise
+        raise RuntimeError(
+            f"{no_jvp_message(name)} functx differentiates its backward instead (the double-VJP "
+            f"identity), but the backward calls NumPy, which cannot take the tensors being "
+            f"differentiated: define `jvp(ctx, *tangents)` on {name}, or write its backward in torch ops."
+        ) from failure
+
+
+_NUMPY_ON_A_LEVEL = ".numpy() is not supported for tensor subclasses"
+
+
+custom_function.function_jvp_without_formula = function_jvp_by_double_vjp
 
 
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):

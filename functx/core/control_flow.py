@@ -59,7 +59,7 @@ def _one_value(pred):
         return None
 
 
-def _any_sample(pred) -> bool:
+def any_sample(pred) -> bool:
     """Whether `pred` holds for any sample of every vmap level it is batched at: each level
     that cannot give one value hands over its samples (one row each), reduced with `any`."""
     while True:
@@ -129,7 +129,7 @@ def run_while_loop(cond_fn, body_fn, carried_inputs, additional_inputs=(), **_):
         pred = cond_fn(*carry, *additional_inputs)
         _check_predicate(pred, "while_loop's cond_fn")
         every_sample = _one_value(pred)
-        if every_sample is False or (every_sample is None and not _any_sample(pred)):
+        if every_sample is False or (every_sample is None and not any_sample(pred)):
             return tuple(value.clone() if isinstance(value, torch.Tensor) else value for value in carry)
         new = body_fn(*carry, *additional_inputs)
         if not isinstance(new, (tuple, list)) or len(new) != len(carry):

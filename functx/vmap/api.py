@@ -12,7 +12,7 @@ from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
 from ..core import config
 from ..core.errors import NeedsPerSampleValues
-from .nested import map_per_sample, nested_batch_size, per_sample_reason, raise_written_before_fallback
+from .nested import join_samples, map_per_sample, nested_batch_size, per_sample_reason, raise_written_before_fallback
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
 
@@ -132,7 +132,8 @@ def _vmap_once(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, 
         if state is not None:
             torch.set_rng_state(state)
         reason = per_sample_reason(error)
-    return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, None, reason)
+    layout = torch.jagged if config.ragged == "nested" else None  # for outputs of different shapes
+    return map_per_sample(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, layout, reason)
 
 
 def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dims, kwargs, chunk_size):
@@ -151,10 +152,25 @@ def _vmap_chunked(func, leaves, flat_dims, spec, batch_size, randomness, out_dim
     out_spec = flat_chunks[0][1]
     flat_out_dims = out_dims_per_leaf(func, out_dims, chunk_outputs[0], len(flat_chunks[0][0]), keep_whole)
     merged = [
-        flat_chunks[0][0][i] if d is None else torch.cat([fc[0][i] for fc in flat_chunks], dim=d)
+        flat_chunks[0][0][i] if d is None else _concatenated(func, out_dims, i, [fc[0][i] for fc in flat_chunks], d)
         for i, d in enumerate(flat_out_dims)
     ]
     return pytree.tree_unflatten(out_spec, merged)
+
+
+def _concatenated(func, out_dims, index, chunks, out_dim):
+    """One output of every chunk, joined: concatenated, or where the chunks' samples differ
+    in shape (each chunk's per-sample run gave a nested tensor, or stacked samples of
+    another shape than the next chunk's), the samples of all chunks joined as one
+    per-sample run joins them (an error unless `set_vmap_fallback(ragged="nested")`)."""
+    if not all(isinstance(c, torch.Tensor) for c in chunks):  # containers with a batch size concatenate
+        return torch.cat(chunks, dim=out_dim)
+    if not any(c.is_nested for c in chunks):
+        if len({c.shape[:out_dim] + c.shape[out_dim + 1 :] for c in chunks}) == 1:
+            return torch.cat(chunks, dim=out_dim)
+    samples = [sample for chunk in chunks for sample in chunk.unbind(out_dim)]
+    layout = torch.jagged if config.ragged == "nested" else None
+    return join_samples(name_of(func), out_dims, index, samples, out_dim, layout)
 
 
 __all__ = ["vmap", "RANDOMNESS_MODES"]

@@ -498,6 +498,8 @@ def _generated_rule_function(function):
         "generate_vmap_rule": True,
         "__qualname__": name,
     }
+    if function.jvp is torch.autograd.Function.jvp:  # none to vmap: torch's own error, which the
+        del members["jvp"]  # forward transforms answer by the double-VJP identity (ad/forward.py)
     return type(name, (torch.autograd.Function,), members)
 
 

@@ -190,7 +190,8 @@ def join_samples(func_name: str, out_dims, index: int, outputs: list, out_dim, l
         raise RuntimeError(
             f"vmap({func_name}, ...): output {index} has different shapes per sample ({shapes}) "
             f"under vmap's per-sample fallback, and vmap stacks outputs of one shape: return a "
-            f"fixed shape (pad it), or map over a nested tensor to get a nested output."
+            f"fixed shape (pad it), or get a nested tensor: functx.set_vmap_fallback(mode, "
+            f"ragged='nested') (or map over a nested tensor)."
         )
     if out_dim % rank != 0:
         raise RuntimeError(

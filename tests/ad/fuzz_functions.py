@@ -13,10 +13,11 @@ reach it:
 - `generated`: `generate_vmap_rule = True`, torch forward, `backward`, `jvp`;
 - `fwdonly`:   `generate_vmap_rule = True` and a `jvp` staticmethod only (no backward:
                reverse transforms raise, as in torch.func);
-- `nojvp`:     `generate_vmap_rule = True` and `backward` only (forward transforms raise);
+- `nojvp`:     `generate_vmap_rule = True` and `backward` only (torch.func's forward
+               transforms raise; functx's take the double-VJP identity through `backward`);
 - `oldstyle`:  `forward(ctx, x, y)` with `backward` (torch.func refuses old-style Functions
-               under every transform; functx runs them under grad/vjp and, per element,
-               under vmap, and refuses forward transforms).
+               under every transform; functx runs them under grad/vjp, per element under
+               vmap, and under forward transforms by the double-VJP identity).
 
 `backward` and `jvp` are written in differentiable torch ops on the saved inputs, so every
 order of derivative goes through them.

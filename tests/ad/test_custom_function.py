@@ -7,6 +7,7 @@ no transform (loops over samples), and torch.func (which supports these Function
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.func as tf
@@ -558,9 +559,9 @@ def test_old_style_function_under_forward_over_reverse(name):
     """An old-style Function applied at a wrapped grad level with a forward level below (a
     jvp on the values, `jvp(jacrev)`): functx counted only grad levels below as seeing it,
     so torch's apply ran its forward with forward AD off there and the result's tangent was
-    lost (0.573 where -3.674 is right, no error). Now the forward level sees it: without a
-    jvp staticmethod it raises the missing-jvp error (as a single jvp does), with one the
-    value is right. Reference: the Hessian-vector product of the plain math by
+    lost (0.573 where -3.674 is right, no error). Now the forward level sees it: with a jvp
+    staticmethod it calls it, without one it takes the double-VJP identity through the
+    backward. Reference: the Hessian-vector product of the plain math by
     torch.autograd.grad with create_graph."""
     g = torch.Generator().manual_seed(1)
     x, t = torch.randn(3, dtype=D, generator=g), torch.randn(3, dtype=D, generator=g)
@@ -574,16 +575,12 @@ def test_old_style_function_under_forward_over_reverse(name):
         tolerance = {}
     with_jvp = lambda v: torch.sin(_OldStyleMulSinWithJvp.apply(v, 2 * v)).sum()
     torch.testing.assert_close(transform(with_jvp, x, t), expected, **tolerance)
+    # without a jvp staticmethod: the forward level computes the Function's tangent by the
+    # double-VJP identity through its backward (jacfwd(jacrev): the forward level below wraps
+    # and sees the forward's ops, as under grad the levels below an old-style Function do)
     without = lambda v: torch.sin(_OldStyleMulSin.apply(v, 2 * v)).sum()
-    if name == "jacfwd(jacrev)":
-        # the forward level below wraps: it sees the forward's ops (as under grad, the levels
-        # below an old-style Function see its forward) and differentiates them
-        torch.testing.assert_close(transform(without, x, t), expected, **tolerance)
-    else:  # (under vmap(jvp) the error is torch's own, naming no Function)
-        message = "_OldStyleMulSin has no jvp staticmethod|must implement the jvp function"
-        with pytest.raises((RuntimeError, NotImplementedError), match=message):
-            transform(without, x, t)
-        assert functx.core.current_stack() == ()
+    torch.testing.assert_close(transform(without, x, t), expected, **tolerance)
+    assert functx.core.current_stack() == ()
 
 
 @pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
@@ -621,3 +618,115 @@ def test_a_functions_jvp_may_update_the_tangent_in_place(stack):
         got = functx.jacfwd(functx.grad(lambda v: f(v).sum()))(x)
         expected = torch.diag(torch.exp(x))
     torch.testing.assert_close(got, expected)
+
+
+# --- Functions without a jvp staticmethod: the double-VJP identity through their backward ---
+
+
+class _NewStyleMulSin(torch.autograd.Function):
+    """x * y + sin(x) written the torch 2.x way, with a backward and no jvp."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y):
+        return _mul_sin(x, y)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g * (y + torch.cos(x)), g * x
+
+
+class _NumpyBackwardMulSin(_OldStyleMulSin):
+    """The old-style Function with a backward in NumPy: right gradients, no derivative of them."""
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = (t.detach().numpy() for t in ctx.saved_tensors)
+        gn = g.detach().numpy()
+        return torch.from_numpy(gn * (y + np.cos(x))), torch.from_numpy(gn * x)
+
+
+class _DetachedBackwardMulSin(_OldStyleMulSin):
+    """The same with a backward that detaches the cotangent (as a kernel without autograd
+    support would): right gradients, no derivative of them."""
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return g.detach() * (y + torch.cos(x)), g.detach() * x
+
+
+_FORWARD_TRANSFORMS = {
+    "jvp": lambda f, x, t: functx.jvp(f, (x,), (t,))[1],
+    "jacfwd": lambda f, x, t: functx.jacfwd(f)(x) @ t,
+    "linearize": lambda f, x, t: functx.linearize(f, x)[1](t),
+    "vmap(jvp)": lambda f, x, t: functx.vmap(lambda v: functx.jvp(f, (v,), (t,))[1])(torch.stack([x, 2 * x]))[0],
+    "jvp(vmap)": lambda f, x, t: functx.jvp(functx.vmap(f), (torch.stack([x, x]),), (torch.stack([t, t]),))[1][1],
+    "jvp(jvp)": lambda f, x, t: functx.jvp(lambda v: functx.jvp(f, (v,), (t,))[1], (x,), (t,))[1],
+    "jvp(grad)": lambda f, x, t: functx.jvp(functx.grad(lambda v: f(v).sum()), (x,), (t,))[1],
+    "hessian": lambda f, x, t: functx.hessian(lambda v: f(v).sum())(x) @ t,
+}
+
+
+def _reference(name, plain, x, t):
+    """The same derivative by torch.autograd on the plain math (float64)."""
+    jac = torch.autograd.functional.jacobian
+    if name in ("jvp", "jacfwd", "linearize", "vmap(jvp)", "jvp(vmap)"):
+        return jac(plain, x) @ t
+    if name == "jvp(jvp)":
+        return jac(lambda v: jac(plain, v, create_graph=True) @ t, x) @ t
+    return _plain_hessian(lambda v: plain(v).sum(), x) @ t
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+@pytest.mark.parametrize("name", list(_FORWARD_TRANSFORMS))
+@pytest.mark.parametrize("function", [_OldStyleMulSin, _NewStyleMulSin], ids=["old_style", "new_style"])
+def test_function_without_jvp_under_forward_transforms(function, name):
+    """torch.func raises "You must implement the jvp function"; functx differentiates the
+    backward (a linear map of the cotangent) once more: Jt = d/du <J^T u, t>."""
+    g = torch.Generator().manual_seed(2)
+    x, t = torch.randn(3, dtype=D, generator=g), torch.randn(3, dtype=D, generator=g)
+    f = lambda v: torch.sin(function.apply(v, v * v))  # noqa: E731
+    plain = lambda v: torch.sin(_mul_sin(v, v * v))  # noqa: E731
+    torch.testing.assert_close(_FORWARD_TRANSFORMS[name](f, x, t), _reference(name, plain, x, t))
+    assert functx.core.current_stack() == ()
+
+
+def test_function_without_jvp_warns_once_per_call_and_differences_agree():
+    x, t = torch.tensor([0.3, -1.2, 2.0], dtype=D), torch.tensor([1.0, 0.5, -0.25], dtype=D)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tangent = functx.jvp(lambda v: _NewStyleMulSin.apply(v, v.exp()), (x,), (t,))[1]
+    assert any("double-VJP" in str(w.message) and "_NewStyleMulSin" in str(w.message) for w in caught)
+    step = 1e-6
+    plain = lambda v: _mul_sin(v, v.exp())  # noqa: E731
+    torch.testing.assert_close(tangent, (plain(x + step * t) - plain(x - step * t)) / (2 * step), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        (_DetachedBackwardMulSin, "_DetachedBackwardMulSin has no jvp staticmethod, and its backward is not differentiable"),
+        (_NumpyBackwardMulSin, "_NumpyBackwardMulSin has no jvp staticmethod.* the backward calls NumPy"),
+    ],
+    ids=["detached", "numpy"],
+)
+def test_function_without_jvp_and_a_backward_without_derivative_is_refused(function, message, batched):
+    """Its backward has no derivative in torch ops, so the identity would give 0: a clear
+    error instead (also under vmap, where the check reads every sample)."""
+    x = torch.tensor([0.3, -1.2, 2.0], dtype=D)
+    f = lambda v: function.apply(v, v)  # noqa: E731
+    torch.testing.assert_close(functx.grad(lambda v: f(v).sum())(x), x + torch.cos(x) + x)  # reverse mode is fine
+    with pytest.raises(RuntimeError, match=message):
+        if batched:
+            functx.vmap(lambda v: functx.jvp(f, (v,), (torch.ones_like(v),))[1])(torch.stack([x, -x]))
+        else:
+            functx.jvp(f, (x,), (torch.ones_like(x),))
+    assert functx.core.current_stack() == ()

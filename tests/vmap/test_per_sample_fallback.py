@@ -252,3 +252,54 @@ def test_a_write_into_an_input_before_the_value_is_read_is_refused():
     g = lambda v: branchy(v.clone().mul_(2.0))  # noqa: E731
     torch.testing.assert_close(functx.vmap(g)(x), loop(g, before))
     torch.testing.assert_close(x, before)
+
+
+# --- ragged outputs as nested tensors, on request -------------------------------------------
+
+
+def positives(v):
+    return v[v > 0].exp()  # a shape that depends on the sample's values
+
+
+def ragged_samples():
+    x = torch.randn(5, 6, dtype=D, generator=torch.Generator().manual_seed(5))
+    x[2] = x[2].abs()
+    return x
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_ragged_outputs_come_back_nested_when_asked(chunk_size):
+    x = ragged_samples()
+    with functx.vmap_fallback("silent", ragged="nested"):
+        out, total = functx.vmap(lambda v: (positives(v), v.sum()), chunk_size=chunk_size)(x)
+    assert out.is_nested and out.layout == torch.jagged
+    for got, v in zip(out.unbind(), x):
+        torch.testing.assert_close(got, positives(v))
+    torch.testing.assert_close(total, x.sum(1))  # outputs of one shape stay stacked
+    assert functx.core.config.ragged == "error"  # the context restored the default
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_ragged_outputs_are_an_error_by_default(chunk_size):
+    with pytest.raises(RuntimeError, match="different shapes per sample .* ragged='nested'"):
+        functx.vmap(positives, chunk_size=chunk_size)(ragged_samples())
+    assert current_stack() == ()
+
+
+def test_ragged_outputs_in_two_dims_are_strided_and_out_dim_must_be_0():
+    x = ragged_samples()
+
+    def square(v):
+        p = v[v > 0]
+        return p[:, None] * p[None, :]
+
+    with functx.vmap_fallback("silent", ragged="nested"):
+        out = functx.vmap(square)(x)
+        assert out.layout == torch.strided
+        for got, v in zip(out.unbind(), x):
+            torch.testing.assert_close(got, square(v))
+        with pytest.raises(RuntimeError, match="give it out_dim 0"):
+            functx.vmap(positives, out_dims=1)(x.reshape(5, 6, 1).expand(5, 6, 2).mT)
+    with pytest.raises(ValueError, match="ragged outputs must be one of"):
+        functx.set_vmap_fallback("warn", ragged="pad")
+    assert functx.core.config.fallback == "warn"
