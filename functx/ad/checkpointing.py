@@ -16,7 +16,8 @@ Checkpointing trades memory for time: the derivatives must be those of `f(*args)
   detach is a user's stop-gradient of the wrapper (level.py), which cuts the levels below:
   `hessian`, `jacrev(jacrev(f))`, `jacfwd(jacrev(f))` through it came out wrong. Where every
   level on the stack records on the values (direct AD levels and vmap levels: torch's own
-  autograd nests there) it runs as torch's; under a wrapped level `f` runs unchecked (right,
+  autograd nests there) it runs as torch's; under a wrapped level, or a vmap inside a grad
+  (whose backward would recompute `f` after the vmap returned), `f` runs unchecked (right,
   without the memory saving).
 
     >>> import torch, functx
@@ -41,7 +42,16 @@ _RECORD_ON_VALUES = (DirectGradLevel, DirectJvpLevel, VmapInterpreter)
 
 
 def _levels_record_on_values() -> bool:
-    return all(type(level) in _RECORD_ON_VALUES for level in current_stack())
+    """Whether torch's checkpoint can run: every level records on the values, and no grad
+    level lies outside a vmap level (`grad(vmap(f))`: its backward, which recomputes `f`,
+    runs after the vmap returned, on the vmap's dead tensors)."""
+    grad_outside = False
+    for level in current_stack():
+        kind = type(level)
+        if kind not in _RECORD_ON_VALUES or (kind is VmapInterpreter and grad_outside):
+            return False
+        grad_outside = grad_outside or kind is DirectGradLevel
+    return True
 
 
 def reentrant_checkpoint(run_function, preserve_rng_state, *args):
