@@ -29,6 +29,7 @@ Checkpointing trades memory for time: the derivatives must be those of `f(*args)
 
 from __future__ import annotations
 
+import torch
 import torch.utils.checkpoint as _checkpoint
 
 from ..core.custom_function import replace_under_transforms
@@ -37,6 +38,7 @@ from ..core.patches import patch
 from ..vmap.interpreter import VmapInterpreter
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
+from .wrapped_reverse import GradTensor
 
 _RECORD_ON_VALUES = (DirectGradLevel, DirectJvpLevel, VmapInterpreter)
 
@@ -80,4 +82,39 @@ patch(
     "the recomputation's detach does not cut functx's wrapped levels (hessian through checkpoint was "
     "off by ~4); reentrant checkpointing is replaced under transforms through "
     "core/custom_function.replace_under_transforms",
+)
+
+
+# Saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`) see what
+# autograd saves, also a wrapped grad level's own tensors (autograd records on its wrappers).
+# torch re-attaches the level's graph to what the unpack hook returns, but not the graphs of
+# the levels below inside it: a hook that returned a new tensor (a copy, a clone) made there
+# under no_grad cut them, and second derivatives through it came out wrong (vmap(hessian),
+# vmap(grad(grad)): off by 2). A level's tensors go past the user's hooks: the value they
+# wrap is kept (connected below) and wrapped again at unpack, as torch does without hooks.
+_LEVEL_VALUE = object()
+
+
+def _push_hooks_past_levels(pack_hook, unpack_hook):
+    """torch's push of saved-tensor hooks, with the user's hooks applied to every tensor but
+    a wrapped grad level's own."""
+
+    def pack(tensor):
+        if type(tensor) is GradTensor and tensor._interp.alive:
+            return (_LEVEL_VALUE, tensor._value, tensor._interp)
+        return (None, pack_hook(tensor), None)
+
+    def unpack(packed):
+        kind, value, level = packed
+        return GradTensor(value, level) if kind is _LEVEL_VALUE else unpack_hook(value)
+
+    return _torch_push_hooks(pack, unpack)
+
+
+_torch_push_hooks = patch(
+    torch._C._autograd,
+    "_push_saved_tensors_default_hooks",
+    _push_hooks_past_levels,
+    "saved-tensor hooks pass a wrapped grad level's own tensors through untouched: a hook's "
+    "new tensor there cut the levels below (wrong second derivatives under vmap(hessian))",
 )
