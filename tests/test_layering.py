@@ -20,7 +20,7 @@ LAYERS = [
     ("ad",),
     ("library", "nn"),
     ("kernels", "staging"),
-    ("dp",),
+    ("dp", "explain"),
     ("distributed", "__init__"),
 ]
 
