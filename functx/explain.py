@@ -162,12 +162,10 @@ class _Recorder:
 
 
 def _how(interp, op) -> str:
-    table = getattr(interp, "rule_table", None)
-    if table is None:
-        from .ad.jvp_rules import JVP_RULES
-        from .vmap.batched_tensor import VMAP_RULES
+    from .ad.jvp_rules import JVP_RULES
+    from .vmap.batched_tensor import VMAP_RULES
 
-        table = {"VmapInterpreter": VMAP_RULES, "WrappedJvpLevel": JVP_RULES}.get(type(interp).__name__)
+    table = {"VmapInterpreter": VMAP_RULES, "WrappedJvpLevel": JVP_RULES}.get(type(interp).__name__)
     if table is None:
         return "recorded" if type(interp).__name__ == "WrappedGradLevel" else "kernel"
     return table.how(op)
