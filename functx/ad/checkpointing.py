@@ -35,6 +35,7 @@ import torch.utils.checkpoint as _checkpoint
 from ..core.custom_function import replace_under_transforms
 from ..core.interpreter import current_stack
 from ..core.patches import patch
+from ..core.recompute import rerun_in_contexts
 from ..vmap.interpreter import VmapInterpreter
 from .direct_forward import DirectJvpLevel
 from .direct_reverse import DirectGradLevel
@@ -65,11 +66,12 @@ def reentrant_checkpoint(run_function, preserve_rng_state, *args):
 _torch_generator = _checkpoint._checkpoint_without_reentrant_generator
 
 
-def _without_reentrant_generator(*args, **kwargs):
+def _without_reentrant_generator(fn, *args, **kwargs):
     """torch's non-reentrant checkpoint around the forward (`checkpoint` runs `f` between
-    its two steps), or nothing (`f` unchecked) under a wrapped level (module docstring)."""
+    its two steps; `fn` is what the backward recomputes, in the contexts `f` runs in now:
+    core/recompute.py), or nothing (`f` unchecked) under a wrapped level (module docstring)."""
     if _levels_record_on_values():
-        yield from _torch_generator(*args, **kwargs)
+        yield from _torch_generator(rerun_in_contexts(fn), *args, **kwargs)
     else:
         yield
 

@@ -42,6 +42,7 @@ from . import interpreter as _interpreter  # (imports this module first: use at 
 from .forward_ad_state import applying_function
 from .level_tensor import LevelTensor, unwrap_dead
 from .patches import patch
+from .recompute import contexts_to_restore
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod object
 _original_apply_function = _ORIGINAL_APPLY.__func__
@@ -79,8 +80,10 @@ def in_function_body() -> bool:
 
 
 def replace_under_transforms(function, replacement) -> None:
-    """Under any functx transform, `function.apply(*args, **kwargs)` calls
-    `replacement(*args, **kwargs)` instead (torch's reentrant checkpoint: ad/checkpointing.py)."""
+    """Under any functx transform, and where a recomputation would have to enter a context
+    again (core/recompute.py: inside `functional_call`), `function.apply(*args, **kwargs)`
+    calls `replacement(*args, **kwargs)` instead (torch's reentrant checkpoint, whose
+    backward recomputes outside both: ad/checkpointing.py)."""
     _REPLACED[function] = replacement
 
 
@@ -142,11 +145,11 @@ def is_new_style(function) -> bool:
 
 
 def _apply(cls, *args, **kwargs):
+    replacement = _REPLACED.get(cls)
+    if replacement is not None and (_interpreter._stack.interpreters or contexts_to_restore()):
+        return replacement(*args, **kwargs)
     if not _interpreter._stack.interpreters:  # no transform running on this thread
         return _original_apply_function(cls, *args, **kwargs)
-    replacement = _REPLACED.get(cls)
-    if replacement is not None:
-        return replacement(*args, **kwargs)
     if is_new_style(cls):  # torch binds keywords and defaults to forward's positions too
         signature = cached_on_class(cls, "signature", _forward_signature)
         bound = signature.bind(*args, **kwargs)
@@ -163,7 +166,7 @@ def _apply(cls, *args, **kwargs):
         if isinstance(a, LevelTensor) and (top is None or a._interp.level > top.level):
             top = a._interp
     if top is None:
-        for interp in reversed(_interpreter._stack.interpreters):
+        for interp in reversed(_interpreter._stack.interpreters or contexts_to_restore()):
             if interp.functions_on_plain_values:
                 out = interp.apply_function(cls, args, kwargs)
                 if out is not NotImplemented:

@@ -11,6 +11,7 @@ forward then runs on them like on any other tensor, which is what makes
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 from typing import Any, Iterator
 
@@ -21,6 +22,7 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..core.container_kinds import in_use
 from ..core.containers import is_container
+from ..core.recompute import register_context
 from .per_thread import substituted
 
 __all__ = ["functional_call"]
@@ -207,11 +209,45 @@ def _swapped(module: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str,
     tensors); the module as it was afterwards, also on error. Yields a dict that, after the
     body, holds the values at the given names at its end (so re-assignments are visible)."""
     rnn_caches = _save_rnn_caches(module)
+    swaps = _swaps()
+    swaps.append((module, values))
     try:
         with substituted(module, values) as after:
             yield after
     finally:
+        swaps.pop()
         _restore_rnn_caches(rnn_caches)
+
+
+_active = threading.local()  # .swaps: the calling thread's (module, values) inside _swapped
+
+
+def _swaps() -> list:
+    swaps = getattr(_active, "swaps", None)
+    if swaps is None:
+        swaps = _active.swaps = []
+    return swaps
+
+
+def _capture_swaps():
+    """For a checkpointed function run inside `functional_call`: its recomputation in the
+    backward, after the call returned, must see the given tensors again (core/recompute.py;
+    it saw the module's own, and the gradient was wrong)."""
+    swaps = list(getattr(_active, "swaps", ()))
+    if not swaps:
+        return None
+
+    @contextlib.contextmanager
+    def swapped_again():
+        with contextlib.ExitStack() as stack:
+            for module, values in swaps:
+                stack.enter_context(_swapped(module, values))
+            yield
+
+    return swapped_again
+
+
+register_context(_capture_swaps)
 
 
 def _save_rnn_caches(module: nn.Module) -> list[tuple[nn.Module, list, list]]:

@@ -551,6 +551,19 @@ class Op:
                     return torch.sin(v) * v.exp()
 
             return fn, s, f"with saved_tensors_hooks({p['pack']}): {{out}} = torch.sin({a}) * {a}.exp()"
+        # a checkpointed module called through functx.functional_call with the current value
+        # as its weight: the recomputation in the backward (after functional_call returned)
+        # must see the given weight, not the module's own (it once did not: wrong gradients)
+        if name == "checkpointed_call":
+            reentrant = p["reentrant"]
+
+            def fn(vals):
+                v = vals[cur]
+                if not _uses_operators():  # torch.func refuses checkpoint under its transforms
+                    return torch.sin(v * v) * v
+                return functx.functional_call(_CheckpointedScale(s, reentrant), {"w": v}, (v,))
+
+            return fn, s, f"functional_call(checkpointed sin({a} * w) * w, w={a}, reentrant={reentrant})"
         # regions under torch.no_grad() / _set_fwd_grad_enabled(False) (see `region_semantics`)
         if name in ("no_grad", "no_fwd"):
             body = {"pow": lambda v: v.pow(2), "sin": lambda v: torch.sin(v) * v}[p["body"]]
@@ -574,6 +587,18 @@ class Op:
         if name == "detach_add":
             return (lambda vals: vals[cur] + vals[cur].detach().pow(2)), s, f"{a} + {a}.detach().pow(2)"
         raise ValueError(f"unknown op {name!r}")
+
+
+class _CheckpointedScale(torch.nn.Module):
+    """`sin(x * w) * w` under torch's checkpoint; its own `w` (ones) is never the one used."""
+
+    def __init__(self, shape, reentrant):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(shape, dtype=torch.float64))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda x: torch.sin(x * self.w) * self.w, x, use_reentrant=self.reentrant)
 
 
 def _uses_operators():
@@ -637,7 +662,7 @@ FAMILIES = {
     "reduce_write": ["reduce_write"],
     "arg_write": ["arg_write"],  # first op only (see `programs`)
     "region": ["no_grad", "no_fwd"],  # only under stacks of one kind of AD level
-    "hooks": ["hooked"],  # saved-tensor hooks around an op
+    "hooks": ["hooked", "checkpointed_call"],  # saved-tensor hooks around an op; checkpointing
 }
 EFFECTFUL = FAMILIES["inplace"] + FAMILIES["detach"]
 FUNCTION_KINDS = list(FUNCTIONS)
@@ -688,6 +713,8 @@ def draw_op(draw, names, shapes, cur):
         p["p"] = draw(st.sampled_from([2, 3]))
     elif name == "hooked":
         p["pack"] = draw(st.sampled_from(["clone", "detach", "save_on_cpu"]))
+    elif name == "checkpointed_call":
+        p["reentrant"] = draw(st.booleans())
     elif name == "unary":
         p["fn"] = draw(st.sampled_from(["relu", "cos", "neg", "log", "sqrt", "rsqrt", "reciprocal"]))
     elif name in ("const", "clone_mul_"):
@@ -1481,11 +1508,12 @@ def test_fuzz_control_flow_operators(case):
 
 
 @FUZZ
-@given(cases(PURE_FAMILIES + ["hooks"], ALL, must_op=["hooked"]))
+@given(cases(PURE_FAMILIES + ["hooks"], ALL, must_op=["hooked", "checkpointed_call"]))
 def test_fuzz_saved_tensor_hooks(case):
-    """Programs with a region under saved-tensor hooks whose pack makes a new tensor, under
-    every transform stack: the values of the program without hooks (a pack hook's clone
-    under vmap(hessian) once gave a second derivative off by 2)."""
+    """Programs with a region under saved-tensor hooks whose pack makes a new tensor, or a
+    checkpointed module called through functional_call, under every transform stack: the
+    values of the program without hooks (a pack hook's clone under vmap(hessian) once gave a
+    second derivative off by 2; the recomputation once saw the module's own weight)."""
     check(case)
 
 

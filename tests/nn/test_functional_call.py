@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
 
 import functx
 
@@ -602,3 +603,50 @@ def test_something_that_is_not_a_module_is_a_clear_type_error(call, names):
     assert isinstance(info.value, AttributeError)
     for name in names:
         assert name in str(info.value)
+
+
+class _CheckpointedTanh(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(lambda x: self.lin(x).tanh(), x, use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("how", ["autograd", "grad", "vmap_grad", "hessian"])
+def test_checkpoint_recomputes_with_the_given_tensors(reentrant, how):
+    """torch's checkpoint recomputes the module's forward in the backward, after
+    functional_call returned: it must see the given parameters again (core/recompute.py;
+    torch.func's functional_call gives d/db of sum(tanh(W x + b)) wrong there, in plain
+    torch too), not the module's own. Reference: the tanh layer written out, in float64."""
+    module = _CheckpointedTanh(reentrant)
+    g = torch.Generator().manual_seed(0)
+    params = {"lin.weight": torch.randn(3, 3, dtype=torch.float64, generator=g), "lin.bias": torch.randn(3, dtype=torch.float64, generator=g)}
+    x = torch.randn(4, 3, dtype=torch.float64, generator=g)
+
+    def written_out(w, b, x):
+        return (x @ w.T + b).tanh().sum()
+
+    if how == "autograd":  # no transform: plain torch autograd, leaves in the dict
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        actual = dict(zip(leaves, torch.autograd.grad(functx.functional_call(module, leaves, (x,)), list(leaves.values()))))
+        expected = dict(zip(params, torch.autograd.grad(written_out(*(v.requires_grad_() for v in leaves.values()), x), list(leaves.values()))))
+    elif how == "grad":
+        actual = functx.grad(lambda p: functx.functional_call(module, p, (x,)))(params)
+        w, b = (v.clone().requires_grad_() for v in params.values())
+        expected = dict(zip(params, torch.autograd.grad(written_out(w, b, x), (w, b))))
+    elif how == "vmap_grad":
+        actual = functx.vmap(functx.grad(lambda p, x: functx.functional_call(module, p, (x,))), in_dims=(None, 0))(params, x)
+        w, b = (v.clone().requires_grad_() for v in params.values())
+        rows = [torch.autograd.grad(written_out(w, b, x[i]), (w, b)) for i in range(len(x))]
+        expected = {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+    else:
+        actual = functx.hessian(lambda b: functx.functional_call(module, {"lin.weight": params["lin.weight"], "lin.bias": b}, (x,)))(params["lin.bias"])
+        expected = torch.autograd.functional.hessian(lambda b: written_out(params["lin.weight"], b, x), params["lin.bias"])
+        actual, expected = {"b": actual}, {"b": expected}
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1e-10, atol=1e-12)
+    assert all(p.dtype == torch.float64 and not isinstance(p, functx.core.LevelTensor) for p in module.parameters())

@@ -1,0 +1,156 @@
+"""Every model of the zoo under per-sample gradients, a Jacobian-vector product, a
+Hessian-vector product (forward-over-reverse) and ensembling, against plain torch.autograd
+on a copy of the model run as its reference program (Python control flow, no checkpointing),
+in float64 (issue 30's measure: 100% correct).
+
+- per-sample gradients: `vmap(grad(loss))` against a loop of `torch.autograd.grad`, one
+  sample at a time;
+- JVP with respect to the weights: `functx.jvp` (forward mode) against the double-backward
+  identity J v = d/du <Jᵀu, v> (reverse mode only);
+- HVP: `jvp(grad(loss))` against `autograd.grad` of <∇loss, v> with `create_graph`;
+- ensembling: `vmap` over `stack_module_state` of three models against each model's call.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import functx
+from tests.zoo.models import NAMES, as_reference, make
+
+TOLERANCE = dict(rtol=1e-7, atol=1e-9)
+
+
+def _state(module):
+    return {k: v.detach() for k, v in module.named_parameters()}, {k: v for k, v in module.named_buffers()}
+
+
+class _Reference(torch.nn.Module):
+    """A copy of a module running its reference program, attention by torch's math backend
+    (plain torch ops: the fused CPU kernel has no double backward)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = as_reference(copy.deepcopy(module))
+
+    def forward(self, x):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return self.module(x)
+
+
+def _reference(module):
+    """The reference of `module` and its parameters (leaves that require grad)."""
+    reference = _Reference(module)
+    return reference, [p for p in reference.parameters()]
+
+
+def _grad(output, inputs, *args, **kwargs):
+    """torch.autograd.grad, with zeros for inputs the output does not use (a branch not taken)."""
+    return torch.autograd.grad(output, inputs, *args, allow_unused=True, materialize_grads=True, **kwargs)
+
+
+def _directions(params):
+    g = torch.Generator().manual_seed(1)
+    return {k: torch.randn(p.shape, dtype=p.dtype, generator=g) for k, p in params.items()}
+
+
+def _assert_trees_close(actual, expected, what):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], **TOLERANCE, msg=lambda m: f"{what}, {key}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def _expected_fallbacks():
+    """The zoo's per-sample loops warn once (functx.PerformanceWarning); that is the point."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", functx.PerformanceWarning)
+        yield
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_per_sample_gradients(name):
+    model = make(name)
+    x, y = model.batch(3)
+    params, buffers = _state(model.module)
+
+    def loss(params, x, y):
+        out = functx.functional_call(model.module, (params, buffers), (x.unsqueeze(0),))
+        return model.loss(out, y.unsqueeze(0))
+
+    actual = functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+    reference, leaves = _reference(model.module)
+    per_sample = [_grad(model.loss(reference(x[i : i + 1]), y[i : i + 1]), leaves) for i in range(len(x))]
+    expected = {key: torch.stack([grads[j] for grads in per_sample]) for j, key in enumerate(params)}
+    _assert_trees_close(actual, expected, f"{name}: per-sample gradients")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jvp_in_the_weights(name):
+    model = make(name)
+    x, _ = model.batch(3)
+    params, buffers = _state(model.module)
+    tangents = _directions(params)
+
+    out, actual = functx.jvp(lambda p: functx.functional_call(model.module, (p, buffers), (x,)), (params,), (tangents,))
+
+    reference, leaves = _reference(model.module)
+    expected_out = reference(x)
+    u = torch.zeros_like(expected_out, requires_grad=True)
+    vjp = _grad(expected_out, leaves, u, create_graph=True)
+    (expected,) = torch.autograd.grad(vjp, u, list(tangents.values()))
+    torch.testing.assert_close(out, expected_out.detach(), **TOLERANCE)
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{name}: JVP: {m}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hessian_vector_product(name):
+    model = make(name)
+    x, y = model.batch(3)
+    params, buffers = _state(model.module)
+    tangents = _directions(params)
+
+    def loss(p):
+        return model.loss(functx.functional_call(model.module, (p, buffers), (x,)), y)
+
+    _, actual = functx.jvp(functx.grad(loss), (params,), (tangents,))
+
+    reference, leaves = _reference(model.module)
+    gradient = _grad(model.loss(reference(x), y), leaves, create_graph=True)
+    inner = sum((g * v).sum() for g, v in zip(gradient, tangents.values()))
+    expected = dict(zip(params, _grad(inner, leaves)))
+    _assert_trees_close(actual, expected, f"{name}: HVP")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ensembling(name):
+    members = [make(name) for _ in range(3)]  # different weights: the seed moves on
+    x, _ = members[0].batch(2)
+    params, buffers = functx.stack_module_state([m.module for m in members])
+    base = members[0].module
+
+    actual = functx.vmap(lambda p, b: functx.functional_call(base, (p, b), (x,)), in_dims=(0, 0))(params, buffers)
+
+    expected = torch.stack([_Reference(m.module)(x) for m in members]).detach()
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{name}: ensemble: {m}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vectorizes_as_documented(name):
+    """Per-sample gradients run every op batched (`functx.explain`), except in the models
+    that say why not (Python control flow on values, data-dependent shapes)."""
+    model = make(name)
+    x, y = model.batch(2)
+    params, buffers = _state(model.module)
+
+    def loss(params, x, y):
+        return model.loss(functx.functional_call(model.module, (params, buffers), (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    explained = functx.explain(functx.vmap(functx.grad(loss), in_dims=(None, 0, 0)))(params, x, y)
+    assert explained.vectorized == (model.fallback is None), str(explained)
