@@ -24,13 +24,18 @@ transforms and traced (fake) values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
 from ..core.interpreter import FIRST_TRANSFORM_HOOKS, current_stack
 from ..core.level_tensor import LevelTensor
+from ..core.recompute import register_context
 from . import library_ops
+from .aten_forward_rules import _attention_in_blocks
+from .level import backward_differentiated
 
 _linalg_det = torch.ops.aten._linalg_det.default
 _forward_ad_off = functools.partial(torch.autograd.forward_ad._set_fwd_grad_enabled, False)
@@ -69,3 +74,112 @@ def _det_through_slogdet(A):
 
 library_ops.register_reverse_decomposition(_linalg_det, _invertible_under_a_transform, _det_through_slogdet)
 FIRST_TRANSFORM_HOOKS.append(lambda: library_ops.wrap_existing(_linalg_det))
+
+
+# Fused attention differentiated twice. torch's backward of the CPU kernel behind
+# F.scaled_dot_product_attention (`_scaled_dot_product_flash_attention_for_cpu_backward`) has
+# no derivative: hessian, jacrev(jacrev(f)), vmap(jvp(grad(f))), a caller differentiating a
+# functx gradient through attention raised (as torch.func does). Inside a transform, where
+# autograd records the op:
+# - where the backward will be differentiated by the levels themselves (two AD levels live,
+#   linearize, the double-VJP identity: ad/level.py `backward_differentiated`), the op runs
+#   as its math form over blocks of query rows (ad/aten_forward_rules.py);
+# - elsewhere (one reverse level, whose gradient the caller's autograd may differentiate or
+#   not) it runs as `_FusedAttention`: torch's kernel forward, and a backward that is
+#   torch's fused one (O(L) memory) unless autograd records the backward itself
+#   (`create_graph`), where it is the same gradient in differentiable torch ops.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _scores(query, key, is_causal, attn_mask, scale):
+    """scale · q kᵀ with the causal mask (top-left, as torch's) and `attn_mask` applied."""
+    scores = (query @ key.transpose(-2, -1)) * scale
+    if is_causal:
+        rows, keys = query.shape[-2], key.shape[-2]
+        scores = scores.masked_fill(torch.ones(rows, keys, dtype=torch.bool, device=query.device).triu(1), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The fused CPU attention kernel with a backward that has derivatives where recorded."""
+
+    generate_vmap_rule = True  # vmap maps its forward and backward (both ops have rules)
+
+    @staticmethod
+    def forward(query, key, value, is_causal, attn_mask, scale):
+        return _FLASH_CPU(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, key, value, is_causal, attn_mask, scale = inputs
+        ctx.save_for_backward(query, key, value, *output)
+        ctx.is_causal, ctx.attn_mask, ctx.scale = is_causal, attn_mask, scale
+        ctx.mark_non_differentiable(output[1])  # the logsumexp: kept for the backward only
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        query, key, value, out, logsumexp = ctx.saved_tensors
+        if not torch.is_grad_enabled():  # first order: torch's fused backward
+            grads = _FLASH_CPU_BACKWARD(
+                grad_out.contiguous(), query, key, value, out, logsumexp, 0.0, ctx.is_causal, attn_mask=ctx.attn_mask, scale=ctx.scale
+            )
+            return (*grads, None, None, None)
+        # recorded (create_graph): softmax's backward written out, P recomputed from q and k
+        scale = query.shape[-1] ** -0.5 if ctx.scale is None else ctx.scale
+        probs = _scores(query, key, ctx.is_causal, ctx.attn_mask, scale).softmax(-1)
+        grad_probs = grad_out @ value.transpose(-2, -1)
+        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+        grad_query = (grad_scores @ key) * scale
+        grad_key = (grad_scores.transpose(-2, -1) @ query) * scale
+        return grad_query, grad_key, probs.transpose(-2, -1) @ grad_out, None, None, None
+
+
+_decided = threading.local()  # .as_of: the decision a checkpoint's recomputation re-enters
+
+
+def _inside_and_differentiated() -> tuple[bool, bool]:
+    """(inside a transform, backward differentiated): now, or as of the first run of the
+    checkpointed function being recomputed (its backward may run outside the transform, and
+    the recomputation must save what the first run saved)."""
+    as_of = getattr(_decided, "as_of", None)
+    return as_of if as_of is not None else (bool(current_stack()), backward_differentiated())
+
+
+def _capture_decision():
+    decision = _inside_and_differentiated()
+    if decision == (False, False):
+        return None
+
+    @contextlib.contextmanager
+    def decided():
+        before, _decided.as_of = getattr(_decided, "as_of", None), decision
+        try:
+            yield
+        finally:
+            _decided.as_of = before
+
+    return decided
+
+
+register_context(_capture_decision)
+
+
+def _recorded_inside_a_transform(query, key, value, dropout_p=0.0, *args, **kwargs) -> bool:
+    """Inside a transform, autograd records the op, without dropout (whose mask neither
+    replacement can draw as the kernel does)."""
+    if dropout_p > 0 or not torch.is_grad_enabled() or not _inside_and_differentiated()[0]:
+        return False
+    return query.requires_grad or key.requires_grad or value.requires_grad
+
+
+def _attention_with_a_differentiable_backward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if _inside_and_differentiated()[1]:
+        return _attention_in_blocks(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return _FusedAttention.apply(query, key, value, is_causal, attn_mask, scale)
+
+
+library_ops.register_reverse_decomposition(_FLASH_CPU, _recorded_inside_a_transform, _attention_with_a_differentiable_backward)
+FIRST_TRANSFORM_HOOKS.append(lambda: library_ops.wrap_existing(_FLASH_CPU))

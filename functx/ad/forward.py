@@ -30,7 +30,7 @@ from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
 from .choose import JACFWD, JVP, choose_level
 from .direct_forward import DirectJvpLevel
-from .level import dual_level, outside_inference_mode
+from .level import differentiating_the_backward, dual_level, outside_inference_mode
 from .reverse import _split_aux, _vjp_with_argnums, grad
 from . import custom_function, wrapped_forward
 from .custom_function import no_jvp_message
@@ -180,7 +180,8 @@ def _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api
 
 def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api, backward_of=None):
     """The same as `_forward_jvp`, by the double-VJP identity (reverse mode only)."""
-    output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
+    with differentiating_the_backward():
+        output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
     flat_out, out_spec = pytree.tree_flatten(output)
     tangents = _tangent_map(vjp_fn, flat_out, out_spec, backward_of)(flat_tangents)
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
@@ -365,7 +366,8 @@ def linearize(func, *primals):
 def _linearize_call(func, primals):
     """`linearize(func, *primals)`."""
     api = "linearize(func, *primals)"
-    output, vjp_fn, _ = _vjp_with_argnums(func, primals, {}, None, False, api)
+    with differentiating_the_backward():
+        output, vjp_fn, _ = _vjp_with_argnums(func, primals, {}, None, False, api)
     flat_out, out_spec = pytree.tree_flatten(output)
     tangent_map = _tangent_map(vjp_fn, flat_out, out_spec)
 

@@ -246,3 +246,24 @@ AT_THIS_LEVEL = {
 """op -> handler(level, args, kwargs) returning the result, or NotImplemented to run the op one
 level down (core/rules.answered_first)."""
 
+
+_backward = threading.local()
+
+
+@contextlib.contextmanager
+def differentiating_the_backward():
+    """While the forward runs of a call whose backward is differentiated with one AD level
+    (linearize, the double-VJP identity: the VJP of a VJP): `backward_differentiated()` is
+    true there, as where two AD levels are live (ad/aten_reverse_rules.py asks)."""
+    _backward.depth = getattr(_backward, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _backward.depth -= 1
+
+
+def backward_differentiated() -> bool:
+    """Whether a backward that autograd records now may be differentiated: two AD levels are
+    live, or a one-level call differentiates its own backward (`differentiating_the_backward`)."""
+    return getattr(_backward, "depth", 0) > 0 or sum(isinstance(level, ADLevel) for level in current_stack()) >= 2
+

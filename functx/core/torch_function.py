@@ -37,7 +37,8 @@ Handler = Callable[[Any, tuple, tuple, dict], Any]
 
 # torch calls functx runs as the Python they mean, before any handler sees them, with every
 # live handler seeing the torch calls inside (core/control_flow.py: torch's control-flow
-# operators, whose bodies are the user's functions): {func: implementation}
+# operators, whose bodies are the user's functions; vmap/rules/nn_rnn.py: recurrent layers
+# under vmap): {func: implementation}; an implementation returning NotImplemented declines
 RUN_AS_PYTHON: dict = {}
 
 
@@ -56,7 +57,9 @@ class _UserCalls(TorchFunctionMode):
             run = RUN_AS_PYTHON.get(func)
             if run is not None:
                 with seen_by_outer():
-                    return run(*args, **({} if kwargs is None else kwargs))
+                    out = run(*args, **({} if kwargs is None else kwargs))
+                if out is not NotImplemented:
+                    return out
             return self.through_handlers(func, types, args, {} if kwargs is None else kwargs)
         finally:
             self.on_stack = True

@@ -363,8 +363,6 @@ def test_attention_jvp_jacfwd_and_hvp(mask, shape, block, monkeypatch):
     math = lambda q, k, v: _attention_math(q, k, v, **kwargs)  # noqa: E731
     expected = torch.autograd.functional.jvp(math, (q, k, v), (tq, tk, tv))[1]
     torch.testing.assert_close(functx.jvp(fused, (q, k, v), (tq, tk, tv))[1], expected)
-    # (linearize records reverse mode and differentiates the backward: through the fused
-    # kernel's backward, which has no derivative, it raises; a known gap)
     # one tangent (jacfwd over the queries of one head), batched by vmap
     jac = functx.jacfwd(lambda q0: fused(q0.expand(2, 3, rows, 4), k, v)[0, 0, -1])(q[0, 0])
     jac_ref = torch.autograd.functional.jacobian(lambda q0: math(q0.expand(2, 3, rows, 4), k, v)[0, 0, -1], q[0, 0])
@@ -378,6 +376,68 @@ def test_attention_jvp_jacfwd_and_hvp(mask, shape, block, monkeypatch):
     # per-sample jvps
     per_sample = functx.vmap(lambda q, tq: functx.jvp(lambda u: fused(u, k[0], v[0]), (q,), (tq,))[1])(q, tq)
     torch.testing.assert_close(per_sample, torch.stack([torch.autograd.functional.jvp(lambda u: math(u, k[0], v[0]), a, t)[1] for a, t in zip(q, tq)]))
+
+
+@pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
+@pytest.mark.parametrize("mask", list(_MASKS))
+def test_attention_differentiated_twice(mask):
+    """hessian, jacrev(jacrev), jacfwd(jacrev), vmap(jvp(grad)) and linearize through fused
+    attention (torch: its backward has no derivative; functx runs the math form in blocks
+    where two AD levels are live: ad/aten_reverse_rules.py), against the math form's
+    reverse-over-reverse derivatives in float64."""
+    rows = keys = 5
+    kwargs = _MASKS[mask](rows, keys)
+    if mask == "bool_mask":
+        kwargs["attn_mask"][:, 0] = True
+    (q, k, v), (tq, _, _) = _attention_inputs(11, rows, keys)
+    # one head, 4-d (what the fused kernel takes): Hessians of 20 x 20
+    q0, tq0, k0, v0 = q[:1, :1], tq[:1, :1], k[:1, :1], v[:1, :1]
+    fused_loss = lambda q: F.scaled_dot_product_attention(q, k0, v0, **kwargs).pow(2).sum()  # noqa: E731
+    math_loss = lambda q: _attention_math(q, k0, v0, **kwargs).pow(2).sum()  # noqa: E731
+    hessian_ref = torch.autograd.functional.hessian(math_loss, q0)
+    for second_order in (functx.hessian, lambda f: functx.jacrev(functx.jacrev(f)), lambda f: functx.jacfwd(functx.jacrev(f))):
+        torch.testing.assert_close(second_order(fused_loss)(q0), hessian_ref)
+    heads, head_tangents = q[0].unsqueeze(1).unsqueeze(1), tq[0].unsqueeze(1).unsqueeze(1)  # 3 samples of (1, 1, 5, 4)
+    per_sample = functx.vmap(lambda q, t: functx.jvp(functx.grad(fused_loss), (q,), (t,))[1])(heads, head_tangents)
+    expected = torch.stack([_hvp_reference(math_loss, (a,), (t,))[0] for a, t in zip(heads, head_tangents)])
+    torch.testing.assert_close(per_sample, expected)
+    fused = lambda q: F.scaled_dot_product_attention(q, k0, v0, **kwargs)  # noqa: E731
+    out, jvp_fn = functx.linearize(fused, q0)
+    torch.testing.assert_close(jvp_fn(tq0), torch.autograd.functional.jvp(lambda q: _attention_math(q, k0, v0, **kwargs), q0, tq0)[1])
+
+
+@pytest.mark.parametrize("mask", list(_MASKS))
+def test_attention_first_order_keeps_the_fused_backward_and_the_caller_can_differentiate(mask, monkeypatch):
+    """One reverse level runs torch's fused backward (its memory is O(L)); where the caller's
+    autograd differentiates the gradient (create_graph), the same gradient is recorded in
+    differentiable ops. Reference: the math form, reverse-over-reverse in float64."""
+    from functx.ad import aten_reverse_rules
+
+    fused_backward_calls = []
+    original = aten_reverse_rules._FLASH_CPU_BACKWARD
+    monkeypatch.setattr(aten_reverse_rules, "_FLASH_CPU_BACKWARD", lambda *a, **k: fused_backward_calls.append(1) or original(*a, **k))
+    kwargs = _MASKS[mask](5, 5)
+    if mask == "bool_mask":
+        kwargs["attn_mask"][:, 0] = True
+    (q, k, v), _ = _attention_inputs(12, 5, 5)
+    fused_loss = lambda q, k: F.scaled_dot_product_attention(q, k, v, **kwargs).sin().sum()  # noqa: E731
+    math_loss = lambda q, k: _attention_math(q, k, v, **kwargs).sin().sum()  # noqa: E731
+    grads = functx.grad(fused_loss, argnums=(0, 1))(q, k)
+    expected = torch.autograd.grad(math_loss(q.requires_grad_(), k), q)[0]
+    q = q.detach()
+    torch.testing.assert_close(grads[0], expected)
+    assert fused_backward_calls, "first order must use torch's fused backward"
+    per_sample = functx.vmap(functx.grad(fused_loss), in_dims=(0, None))(q.unsqueeze(1), k)
+    per_sample_ref = [torch.autograd.functional.jacobian(lambda u: math_loss(u.unsqueeze(0), k), qi) for qi in q]
+    torch.testing.assert_close(per_sample.squeeze(1), torch.stack(per_sample_ref))
+    # the caller differentiates functx's gradients: a gradient penalty
+    queries, keys = q.clone().requires_grad_(), k.clone().requires_grad_()
+    penalty = sum(g.pow(2).sum() for g in functx.grad(fused_loss, argnums=(0, 1))(queries, keys))
+    actual = torch.autograd.grad(penalty, (queries, keys))
+    queries, keys = q.clone().requires_grad_(), k.clone().requires_grad_()
+    grads = torch.autograd.grad(math_loss(queries, keys), (queries, keys), create_graph=True)
+    wanted = torch.autograd.grad(sum(g.pow(2).sum() for g in grads), (queries, keys))
+    torch.testing.assert_close(actual, wanted)
 
 
 def test_attention_with_dropout_under_forward_mode():
@@ -400,3 +460,18 @@ def test_attention_with_dropout_under_forward_mode():
         functx.jvp(lambda q: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.5)[0], (q,), (tq,))
     assert functx.core.current_stack() == ()
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v), _attention_math(q, k, v))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_attention_recomputed_after_the_transform_returned(reentrant):
+    """vjp's pullback, called after vjp returned, recomputes a checkpointed attention outside
+    the transform: it must save what the first run saved (torch compares: CheckpointError
+    once, the first run having taken functx's attention and the recomputation torch's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    (q, k, v), (tq, _, _) = _attention_inputs(13, 5, 5)
+    fused = lambda q: checkpoint(lambda u: F.scaled_dot_product_attention(u, k, v, is_causal=True).sin(), q, use_reentrant=reentrant)  # noqa: E731
+    _, pullback = functx.vjp(fused, q)
+    (actual,) = pullback(tq)
+    _, expected = torch.autograd.functional.vjp(lambda u: _attention_math(u, k, v, is_causal=True).sin(), q, tq)
+    torch.testing.assert_close(actual, expected)

@@ -285,6 +285,20 @@ class Op:
             return (lambda vals: torch.mm(vals[cur].reshape(-1, c).mT, vals[cur].reshape(-1, c))), (c, c), f"torch.mm({a}.reshape(-1, {c}).mT, {a}.reshape(-1, {c}))"
         if name == "softmax":
             return (lambda vals: vals[cur].softmax(-1)), s, f"{a}.softmax(-1)"
+        if name == "attention":  # self-attention over the last two dims (rows attend to rows)
+            causal = p["causal"]
+            heads = (1, -1, s[-2], s[-1])
+
+            def fn(vals):
+                v = vals[cur].reshape(heads)
+                if _transform_library():  # the fused CPU kernel (its backward has no derivative)
+                    return F.scaled_dot_product_attention(v, v, v, is_causal=causal).reshape(s)
+                scores = v @ v.mT * s[-1] ** -0.5
+                if causal:
+                    scores = scores.masked_fill(torch.ones(s[-2], s[-2], dtype=torch.bool).triu(1), float("-inf"))
+                return (scores.softmax(-1) @ v).reshape(s)
+
+            return fn, s, f"F.scaled_dot_product_attention({a}, {a}, {a}, is_causal={causal}) over its last 2 dims"
         if name == "loss":  # a loss against a constant target (torch's fused loss kernels and
             # their double backward: mse_loss's forward-over-reverse formula once raised)
             kind, red = p["kind"], p["red"]
@@ -654,7 +668,7 @@ FAMILIES = {
     "control_flow": ["branch", "cond_op", "while_op", "scan_op"],
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
-    "nn": ["matmul", "gram", "softmax", "conv1d", "linalg", "loss", "spectral"],
+    "nn": ["matmul", "gram", "softmax", "attention", "conv1d", "linalg", "loss", "spectral"],
     "inplace": ["clone_mul_", "clone_self_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
     "detach": ["detach_mul", "detach_add"],
     "function": ["function"],
@@ -678,7 +692,7 @@ def _applicable(name, s):
         return nd >= 1
     if name == "gram":
         return nd >= 1 and s[-1] ** 2 <= MAX_NUMEL
-    if name == "transpose":
+    if name in ("transpose", "attention"):
         return nd >= 2
     if name == "slice":
         return nd >= 1 and s[0] >= 2
@@ -715,6 +729,8 @@ def draw_op(draw, names, shapes, cur):
         p["pack"] = draw(st.sampled_from(["clone", "detach", "save_on_cpu"]))
     elif name == "checkpointed_call":
         p["reentrant"] = draw(st.booleans())
+    elif name == "attention":
+        p["causal"] = draw(st.booleans())
     elif name == "unary":
         p["fn"] = draw(st.sampled_from(["relu", "cos", "neg", "log", "sqrt", "rsqrt", "reciprocal"]))
     elif name in ("const", "clone_mul_"):
@@ -1547,6 +1563,15 @@ def test_fuzz_vjp_fn_in_the_stack(case):
     """Stacks with a vjp_fn: `vjp(f, *xs)[1](ct)[argnum]`, the cotangent a fixed affine map of
     one of the transform's inputs (or a constant), taken either inside (at each call) or
     outside every transform (fixed primals; the outer transforms act on the cotangent)."""
+    check(case)
+
+
+@FUZZ
+@given(cases(PURE_FAMILIES, ALL + ["vjp_fn"], must_op=["attention"]))
+def test_fuzz_fused_attention(case):
+    """Programs through F.scaled_dot_product_attention (torch's fused CPU kernel, whose
+    backward has no derivative: second order once raised under functx, still does under
+    torch.func) under every transform, against its math form in plain autograd."""
     check(case)
 
 

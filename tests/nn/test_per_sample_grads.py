@@ -238,3 +238,37 @@ def test_dropout_per_sample_gradients(randomness):
         torch.testing.assert_close(masks, masks[0].expand_as(masks))
     else:
         assert all(not torch.equal(masks[0], masks[i]) for i in range(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True, bidirectional=True),
+        lambda: nn.GRU(4, 5, num_layers=2, batch_first=True),
+        lambda: nn.RNN(4, 5, nonlinearity="relu"),
+        lambda: nn.RNN(4, 5, num_layers=2, bidirectional=True),
+    ],
+    ids=["lstm", "gru", "rnn_relu", "rnn_tanh"],
+)
+def test_recurrent_layers_under_grad_of_vmap(make, dtype):
+    """grad(vmap(f)) over recurrent layers: the weights and the first state are not batched
+    at the vmap level, the input is; torch's C++ layers write the input's (batched) gates into
+    the state's (unbatched) in place, which vmap refuses. They run out of place under vmap
+    (vmap/rules/nn_rnn.py). Reference: autograd over a loop of per-sample calls."""
+    module = make().to(dtype)
+    x = torch.randn(BATCH, 3, 4, dtype=dtype)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def sample_loss(p, x):
+        return functx.functional_call(module, p, (x.unsqueeze(0) if module.batch_first else x.unsqueeze(1),))[0].pow(2).sum()
+
+    with functx.vmap_fallback("error"):
+        ours = functx.grad(lambda p: functx.vmap(sample_loss, in_dims=(None, 0))(p, x).sum())(params)
+        ensemble_in = functx.vmap(lambda xi: sample_loss(params, xi))(x)
+    total = sum(module(x[i : i + 1] if module.batch_first else x[i : i + 1].transpose(0, 1))[0].pow(2).sum() for i in range(BATCH))
+    expected = dict(zip(params, torch.autograd.grad(total, list(module.parameters()))))
+    tolerance = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
+    for k in expected:
+        assert_close(ours[k], expected[k], **tolerance)
+    assert_close(ensemble_in.sum(), total.detach(), **tolerance)

@@ -14,10 +14,13 @@ in float64 (issue 30's measure: 100% correct).
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import functx
@@ -154,3 +157,96 @@ def test_vectorizes_as_documented(name):
 
     explained = functx.explain(functx.vmap(functx.grad(loss), in_dims=(None, 0, 0)))(params, x, y)
     assert explained.vectorized == (model.fallback is None), str(explained)
+
+
+# -- random transforms over random models ------------------------------------------------
+
+FLOAT_INPUT = [name for name in NAMES if make(name).batch(1)[0].is_floating_point()]
+TRANSFORMS = ["grad_of_vmap", "vjp", "input_grad", "vmap_jvp_input", "vmap_jacfwd_input", "vmap_hvp_input"]
+
+
+def _per_sample_reference(model, x, y, compute):
+    """`compute(reference, x_i, y_i)` for each sample, stacked (leaf by leaf for tuples)."""
+    reference, _ = _reference(model.module)
+    rows = [compute(reference, x[i : i + 1], y[i : i + 1]) for i in range(len(x))]
+    return torch.stack(rows)
+
+
+@settings(max_examples=int(os.environ.get("FUNCTX_FUZZ_EXAMPLES", 25)), deadline=None)
+@given(
+    name=st.sampled_from(NAMES),
+    transform=st.sampled_from(TRANSFORMS),
+    n=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_random_transforms_of_random_models(name, transform, n, seed):
+    """A model and a transform drawn at random (input-side transforms for models whose input
+    is not tokens), against plain autograd on the reference program: reverse-over-reverse
+    for second order, the double-backward identity for forward mode."""
+    if transform not in ("grad_of_vmap", "vjp"):
+        assume(name in FLOAT_INPUT)
+    torch.manual_seed(seed)
+    model = make(name)
+    x, y = model.batch(n)
+    params, buffers = _state(model.module)
+    g = torch.Generator().manual_seed(seed)
+
+    def sample_out(p, x):
+        return functx.functional_call(model.module, (p, buffers), (x.unsqueeze(0),)).squeeze(0)
+
+    def sample_loss(p, x, y):
+        return model.loss(functx.functional_call(model.module, (p, buffers), (x.unsqueeze(0),)), y.unsqueeze(0))
+
+    if transform == "grad_of_vmap":  # the gradient of a sum of per-sample losses
+        actual = functx.grad(lambda p: functx.vmap(sample_loss, in_dims=(None, 0, 0))(p, x, y).sum())(params)
+        reference, leaves = _reference(model.module)
+        total = sum(model.loss(reference(x[i : i + 1]), y[i : i + 1]) for i in range(n))
+        _assert_trees_close(actual, dict(zip(params, _grad(total, leaves))), f"{name}: grad(vmap)")
+        return
+    if transform == "vjp":  # the pullback of a random cotangent of the batch's output
+        out, pullback = functx.vjp(lambda p: functx.functional_call(model.module, (p, buffers), (x,)), params)
+        cotangent = torch.randn(out.shape, dtype=out.dtype, generator=g)
+        (actual,) = pullback(cotangent)
+        reference, leaves = _reference(model.module)
+        expected = dict(zip(params, _grad(reference(x), leaves, cotangent)))
+        _assert_trees_close(actual, expected, f"{name}: vjp")
+        return
+    direction = torch.randn(x.shape, dtype=x.dtype, generator=g)
+    if transform == "input_grad":  # saliency: per-sample gradients in the input
+        actual = functx.vmap(functx.grad(sample_loss, argnums=1), in_dims=(None, 0, 0))(params, x, y)
+
+        def compute(reference, xi, yi):
+            xi = xi.clone().requires_grad_()
+            return _grad(model.loss(reference(xi), yi), xi)[0][0]
+
+    elif transform == "vmap_jvp_input":
+        _, actual = functx.vmap(lambda x, v: functx.jvp(lambda x: sample_out(params, x), (x,), (v,)))(x, direction)
+        rows = iter(direction)
+
+        def compute(reference, xi, yi):
+            xi = xi.clone().requires_grad_()
+            out = reference(xi)
+            u = torch.zeros_like(out, requires_grad=True)
+            (vjp,) = _grad(out, xi, u, create_graph=True)
+            return _grad(vjp, u, next(rows).unsqueeze(0))[0][0]
+
+    elif transform == "vmap_jacfwd_input":
+        actual = functx.vmap(functx.jacfwd(lambda x: sample_out(params, x)))(x)
+
+        def compute(reference, xi, yi):
+            with sdpa_kernel([SDPBackend.MATH]):
+                return torch.autograd.functional.jacobian(lambda u: reference.module(u.unsqueeze(0)).squeeze(0), xi[0])
+
+    else:  # vmap_hvp_input: forward-over-reverse in the input, per sample
+        _, actual = functx.vmap(
+            lambda x, y, v: functx.jvp(lambda x: functx.grad(sample_loss, argnums=1)(params, x, y), (x,), (v,))
+        )(x, y, direction)
+        rows = iter(direction)
+
+        def compute(reference, xi, yi):
+            xi = xi.clone().requires_grad_()
+            (gradient,) = _grad(model.loss(reference(xi), yi), xi, create_graph=True)
+            return _grad((gradient * next(rows).unsqueeze(0)).sum(), xi)[0][0]
+
+    expected = _per_sample_reference(model, x, y, compute)
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{name}: {transform}: {m}")
