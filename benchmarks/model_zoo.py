@@ -16,6 +16,7 @@ the loop where functx runs samples one by one.
     python benchmarks/model_zoo.py            # per-sample gradients, 15 rounds
     python benchmarks/model_zoo.py --all      # and JVP, HVP, ensembling
     python benchmarks/model_zoo.py --quick    # 5 rounds
+    python benchmarks/model_zoo.py --width 64 # wider models (the tests' width 8 is overhead-bound)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.func  # noqa: E402
 
 import functx  # noqa: E402
 from _harness import environment, interleaved  # noqa: E402
+from tests.zoo import models as zoo  # noqa: E402
 from tests.zoo.models import NAMES, as_reference, make  # noqa: E402
 
 BATCH, MEMBERS = 16, 4
@@ -172,7 +174,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="5 rounds")
     parser.add_argument("--all", action="store_true", help="JVP, HVP and ensembling too")
     parser.add_argument("--models", nargs="*", default=NAMES)
+    parser.add_argument("--width", type=int, default=None, help="model width (the tests' is 8: overhead-bound)")
     args = parser.parse_args()
+    if args.width is not None:  # read by the zoo's modules when they are made and called
+        zoo.WIDTH = args.width
     torch.set_num_threads(1)
     rounds = 5 if args.quick else 15
     transforms = ["per-sample grads"] + (["jvp", "hvp", "ensemble"] if args.all else [])
