@@ -47,7 +47,8 @@ Semantics, as jax.jit's where they can be:
 
 - **Where torch.compile refuses** a program eager torch computes (`_COMPILE_REFUSALS`: a
   write through a view of an `as_strided` view, which torch's second-order SVD backward
-  makes) before any of the call ran (no input written), that signature runs eagerly from
+  makes; a checkpoint's preserved RNG state in a traced backward; dynamo's empty subgraph
+  after a split at a value-dependent branch) before any of the call ran (no input written), that signature runs eagerly from
   then on, with an `EagerFallbackWarning`: right values, untraced.
 
 - **Under a user's `TorchDispatchMode`** (a FLOP counter, a logging mode) the function runs
@@ -96,7 +97,15 @@ class EagerFallbackWarning(UserWarning):
 # express a write through a view of an `as_strided` view (torch's own backward of a write
 # into a view, CopySlices, reads the slice back with as_strided: the caller's gradient
 # through a jitted third derivative of an SVD meets it).
-_COMPILE_REFUSALS = ("as_strided() is non-compositional",)
+_COMPILE_REFUSALS = (
+    "as_strided() is non-compositional",
+    # torch's checkpoint traced whole with its backward (per-sample gradients of a checkpointed
+    # model): AOTAutograd's rematerialization refuses the RNG state a checkpoint preserves
+    "does not support RNG ops in recompute regions",
+    # dynamo's own bug: a frame split at a value-dependent branch (the per-sample loop of
+    # vmap's fallback) leaves a subgraph with no nodes, whose generated code does not compile
+    "expected an indented block after function definition",
+)
 _REFUSED = object()  # a signature torch.compile refused: run eagerly
 
 

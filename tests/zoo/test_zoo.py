@@ -78,15 +78,35 @@ def _expected_fallbacks():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_per_sample_gradients(name):
+    _check_per_sample_gradients(name, lambda f: f)
+
+
+# the models that take a path of their own through the trace (a checkpoint, the per-sample
+# loop, a control-flow operator, an autograd.Function, a recurrent layer); the rest: -m slow
+_JIT_IN_CI = ["gpt2_checkpoint", "data_dependent_if", "mamba_scan", "neural_ode_while", "moe_topk", "lstm_lm", "old_style_function"]
+
+
+@pytest.mark.parametrize("name", [n if n in _JIT_IN_CI else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
+def test_per_sample_gradients_jitted(name):
+    """functx.jit of the per-sample gradients: traced once, replayed on a second batch (or run
+    eagerly where torch.compile refuses the program, with a warning): the loop's values."""
+    _check_per_sample_gradients(name, functx.jit, calls=2)
+
+
+def _check_per_sample_gradients(name, wrap, calls=1):
     model = make(name)
-    x, y = model.batch(3)
     params, buffers = _state(model.module)
 
     def loss(params, x, y):
         out = functx.functional_call(model.module, (params, buffers), (x.unsqueeze(0),))
         return model.loss(out, y.unsqueeze(0))
 
-    actual = functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    per_sample_grads = wrap(functx.vmap(functx.grad(loss), in_dims=(None, 0, 0)))
+    for _ in range(calls):  # the last batch is checked (a jit's replay)
+        x, y = model.batch(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager fallback's warning
+            actual = per_sample_grads(params, x, y)
 
     reference, leaves = _reference(model.module)
     per_sample = [_grad(model.loss(reference(x[i : i + 1]), y[i : i + 1]), leaves) for i in range(len(x))]
