@@ -19,6 +19,7 @@ from .nn import (
 )
 from .vmap import vmap
 from .ad import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, linearize, vjp
+from .ad.selective_checkpoint import checkpoint, checkpoint_name, checkpoint_policies
 from .functionalize import functionalize
 from .einops import rearrange
 from .staging import watch_for_dynamo as _watch_for_dynamo
@@ -29,7 +30,7 @@ _watch_for_dynamo()  # torch.compile support, installed when torch._dynamo is im
 
 __version__ = "0.1.0"
 
-__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functionalize", "rearrange", "jit", "explain", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap", "register_batched_container"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "checkpoint", "checkpoint_policies", "checkpoint_name", "functionalize", "rearrange", "jit", "explain", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap", "register_batched_container"]
 
 
 def __getattr__(name):
