@@ -223,6 +223,10 @@ def checkpoint(fun: Callable, *, policy: Policy | None = None, preserve_rng_stat
 
     @functools.wraps(fun, updated=())  # (a module's __dict__ is not the function's)
     def checkpointed(*args, **kwargs):
+        # traced (torch.compile, functx.jit): dynamo cannot trace the policy's modes; the
+        # compiler decides what to keep (its own rematerialization), the values are the same
+        if torch.compiler.is_compiling():
+            return _checkpoint.checkpoint(fun, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
         return _checkpoint.checkpoint(
             fun, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=preserve_rng_state, **kwargs
         )

@@ -24,6 +24,8 @@ from torch._higher_order_ops.scan import scan
 from torch._higher_order_ops.while_loop import while_loop
 from torch.utils.checkpoint import checkpoint
 
+import functx
+
 VOCAB, SEQ, WIDTH, HEADS = 11, 6, 8, 2
 
 
@@ -101,7 +103,8 @@ class GPT2Block(nn.Module):
 
 class GPT2(Reference):
     """Token and position embeddings, two decoder blocks, a tied LM head; optionally each
-    block under `torch.utils.checkpoint` (`checkpointed`: "reentrant" or "non-reentrant")."""
+    block under `torch.utils.checkpoint` (`checkpointed`: "reentrant" or "non-reentrant") or
+    `functx.checkpoint` keeping the matrix products ("functx")."""
 
     def __init__(self, checkpointed=None):
         super().__init__()
@@ -113,7 +116,9 @@ class GPT2(Reference):
     def forward(self, x):
         h = self.tokens(x) + self.positions(torch.arange(x.shape[1]))
         for block in self.blocks:
-            if self.checkpointed and not self.reference:
+            if self.checkpointed == "functx" and not self.reference:  # keeping the matrix products
+                h = functx.checkpoint(block, policy=functx.checkpoint_policies.dots_saveable)(h)
+            elif self.checkpointed and not self.reference:
                 h = checkpoint(block, h, use_reentrant=self.checkpointed == "reentrant")
             else:
                 h = block(h)
@@ -481,6 +486,7 @@ def _zoo():
         ("gpt2", GPT2, _tokens, _next_token, None),
         ("gpt2_checkpoint", lambda: GPT2("non-reentrant"), _tokens, _next_token, None),
         ("gpt2_checkpoint_reentrant", lambda: GPT2("reentrant"), _tokens, _next_token, None),
+        ("gpt2_functx_checkpoint", lambda: GPT2("functx"), _tokens, _next_token, None),
         ("bert", BERT, _bert_batch, _class, None),
         ("vit", ViT, _images(3, 4), _class, None),
         ("multihead_attention", MultiheadDecoder, lambda n: (torch.randn(n, SEQ, WIDTH, dtype=torch.float64), torch.randn(n, 2, dtype=torch.float64)), _mse, None),

@@ -83,7 +83,7 @@ def test_per_sample_gradients(name):
 
 # the models that take a path of their own through the trace (a checkpoint, the per-sample
 # loop, a control-flow operator, an autograd.Function, a recurrent layer); the rest: -m slow
-_JIT_IN_CI = ["gpt2_checkpoint", "data_dependent_if", "mamba_scan", "neural_ode_while", "moe_topk", "lstm_lm", "old_style_function"]
+_JIT_IN_CI = ["gpt2_checkpoint", "gpt2_functx_checkpoint", "data_dependent_if", "mamba_scan", "neural_ode_while", "moe_topk", "lstm_lm", "old_style_function"]
 
 
 @pytest.mark.parametrize("name", [n if n in _JIT_IN_CI else pytest.param(n, marks=pytest.mark.slow) for n in NAMES])
