@@ -182,7 +182,7 @@ def test_vectorizes_as_documented(name):
 # -- random transforms over random models ------------------------------------------------
 
 FLOAT_INPUT = [name for name in NAMES if make(name).batch(1)[0].is_floating_point()]
-TRANSFORMS = ["grad_of_vmap", "vjp", "input_grad", "vmap_jvp_input", "vmap_jacfwd_input", "vmap_hvp_input"]
+TRANSFORMS = ["grad_of_vmap", "vjp", "input_grad", "vmap_jvp_input", "vmap_jacfwd_input", "vmap_hvp_input", "vmap_hessian_input"]
 
 
 def _per_sample_reference(model, x, y, compute):
@@ -256,6 +256,13 @@ def test_random_transforms_of_random_models(name, transform, n, seed):
         def compute(reference, xi, yi):
             with sdpa_kernel([SDPBackend.MATH]):
                 return torch.autograd.functional.jacobian(lambda u: reference.module(u.unsqueeze(0)).squeeze(0), xi[0])
+
+    elif transform == "vmap_hessian_input":  # jacfwd(jacrev) in the input, per sample
+        actual = functx.vmap(functx.hessian(sample_loss, argnums=1), in_dims=(None, 0, 0))(params, x, y)
+
+        def compute(reference, xi, yi):
+            with sdpa_kernel([SDPBackend.MATH]):
+                return torch.autograd.functional.hessian(lambda u: model.loss(reference.module(u.unsqueeze(0)), yi), xi[0])
 
     else:  # vmap_hvp_input: forward-over-reverse in the input, per sample
         _, actual = functx.vmap(

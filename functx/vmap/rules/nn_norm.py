@@ -360,11 +360,26 @@ for _op, (_form, _reserve) in _BATCH_NORM_FORMS.items():
 _batch_norm_backward_decomposition = torch._decomp.decomposition_table[aten.native_batch_norm_backward.default]
 
 
+def _statistics(input, eps):
+    """Training mode's saved mean and inverse standard deviation, recomputed from the input
+    (the same values, with the input's derivatives)."""
+    dims = [0, *range(2, input.dim())]
+    save_mean = input.mean(dims)
+    centered = input - save_mean.view(1, -1, *((1,) * (input.dim() - 2)))
+    return save_mean, (centered.pow(2).mean(dims) + eps).rsqrt()
+
+
 @VMAP_RULES.register(aten.native_batch_norm_backward.default)
 def _native_batch_norm_backward(
     interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
 ):
-    """torch's decomposition, on this level's tensors."""
+    """torch's decomposition, on this level's tensors. Where autograd may record it (grad mode
+    on: a second derivative, `grad(jacrev(f))`, `vmap(hessian(f))`), training mode's saved
+    statistics are recomputed from the input first: to autograd they are constants (torch's
+    own derivative of this backward knows they depend on the input; the decomposition's ops
+    do not), and second derivatives through batch and instance norm were off by ~0.6-3."""
+    if train and save_mean is not None and torch.is_grad_enabled():
+        save_mean, save_invstd = _statistics(input, eps)
     out = _batch_norm_backward_decomposition(
         grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
     )
@@ -387,10 +402,8 @@ def _batch_norm_backward_with_tangents(
     `_layer_norm_backward_with_tangents`)."""
     if not train or save_mean is None:
         return NotImplemented
-    dims = [0, *range(2, input.dim())]
-    save_mean = input.mean(dims)
-    centered = input - save_mean.view(1, -1, *((1,) * (input.dim() - 2)))
-    save_invstd = (centered.pow(2).mean(dims) + eps).rsqrt()
+    save_mean, save_invstd = _statistics(input, eps)
     return _native_batch_norm_backward(
         interp, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
     )
+
