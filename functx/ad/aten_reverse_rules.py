@@ -36,7 +36,7 @@ from ..core.level_tensor import LevelTensor
 from ..core.recompute import register_context
 from . import library_ops
 from .aten_forward_rules import _attention_in_blocks
-from .level import backward_differentiated
+from .level import ADLevel, backward_differentiated
 
 _linalg_det = torch.ops.aten._linalg_det.default
 _forward_ad_off = functools.partial(torch.autograd.forward_ad._set_fwd_grad_enabled, False)
@@ -142,11 +142,13 @@ _decided = threading.local()  # .as_of: the decision a checkpoint's recomputatio
 
 
 def _inside_and_differentiated() -> tuple[bool, bool]:
-    """(inside a transform, backward differentiated): now, or as of the first run of the
+    """(inside an AD transform, backward differentiated): now, or as of the first run of the
     checkpointed function being recomputed (its backward may run outside the transform, and
     the recomputation must save what the first run saved)."""
     as_of = getattr(_decided, "as_of", None)
-    return as_of if as_of is not None else (bool(current_stack()), backward_differentiated())
+    if as_of is not None:
+        return as_of
+    return any(isinstance(level, ADLevel) for level in current_stack()), backward_differentiated()
 
 
 def _capture_decision():
@@ -169,7 +171,8 @@ register_context(_capture_decision)
 
 
 def _recorded_inside_a_transform(query, key, value, dropout_p=0.0, *args, **kwargs) -> bool:
-    """Inside a transform, autograd records the op, without dropout (whose mask neither
+    """Inside an AD transform (vmap alone: torch's autograd under it, as in plain torch),
+    autograd records the op, without dropout (whose mask neither
     replacement can draw as the kernel does)."""
     if dropout_p > 0 or not torch.is_grad_enabled() or not _inside_and_differentiated()[0]:
         return False

@@ -537,13 +537,23 @@ def _accepts_explicit(op):
     return accepts
 
 
+def _recorded_by_the_caller(level, args) -> bool:
+    """Whether the caller's autograd records this op (a tensor it tracks among the arguments'
+    values), and so may differentiate the tangent made here: a second AD level as well."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and (a._value if type(a) is DualTensor else a).requires_grad for a in args)
+
+
 def _decomposed_when_nested(op, decomposition):
-    """Under another AD level, the op's decomposition (its ops come back here); the default
-    otherwise, and where nothing carries a tangent."""
+    """Under another AD level, or where the caller's autograd records the op (it
+    differentiates the tangent: `torch.autograd.grad` of a jvp's output), the op's
+    decomposition (its ops come back here); the default otherwise, and where nothing carries
+    a tangent."""
     otherwise = _out_of_place(op)
 
     def rule(level, *args, **kwargs):
-        if level.nested and level.has_tangents(args, kwargs):
+        if (level.nested or _recorded_by_the_caller(level, args)) and level.has_tangents(args, kwargs):
             with level.lower():
                 return decomposition(*args, **kwargs)
         return otherwise(level, *args, **kwargs)

@@ -120,3 +120,28 @@ def test_caller_differentiates_a_jacobian_through_training_mode_norms(norm):
     jac = torch.autograd.functional.jacobian(lambda u: in_ops(u).sin(), ref, create_graph=True)
     (expected,) = torch.autograd.grad(jac.pow(2).sum(), ref)
     torch.testing.assert_close(actual, expected)
+
+
+_NORMS_AND_FORMULAS = {  # on (2, 3) values: the normalization, and its formula in ops
+    "batch_norm": (lambda u: F.batch_norm(u.reshape(2, 3, 1), None, None, training=True), lambda u: _norm_in_ops(u.reshape(2, 3, 1), (0, 2))),
+    "layer_norm": (lambda u: F.layer_norm(u, (3,)), lambda u: _norm_in_ops(u, (1,))),
+    "group_norm": (lambda u: F.group_norm(u.reshape(2, 3, 1), 1), lambda u: _norm_in_ops(u.reshape(2, 3, 1), (1, 2))),
+}
+
+
+@pytest.mark.parametrize("norm", list(_NORMS_AND_FORMULAS))
+def test_caller_differentiates_a_jvp_through_norms(norm):
+    """The caller's autograd differentiates a jvp's tangent through a normalization: torch's
+    forward formula takes the saved statistics as constants (once off by 500 under
+    functx.jvp; the fuzzer's `test_fuzz_under_the_callers_autograd`). Reference: the jvp of
+    the formula in ops by the double-backward identity, differentiated by plain autograd
+    (torch's own third derivatives of the norms cannot be the reference)."""
+    fused, in_ops = _NORMS_AND_FORMULAS[norm]
+    g = torch.Generator().manual_seed(3)
+    x, t = (torch.randn(2, 3, dtype=torch.float64, generator=g) for _ in range(2))
+    xs = x.clone().requires_grad_()
+    (actual,) = torch.autograd.grad(functx.jvp(lambda u: fused(torch.sin(u)).reshape(2, 3).pow(2), (xs,), (t,))[1].pow(2).sum(), xs)
+    xs = x.clone().requires_grad_()
+    tangent = torch.autograd.functional.jvp(lambda u: in_ops(torch.sin(u)).reshape(2, 3).pow(2), xs, t, create_graph=True)[1]
+    (expected,) = torch.autograd.grad(tangent.pow(2).sum(), xs)
+    torch.testing.assert_close(actual, expected)
