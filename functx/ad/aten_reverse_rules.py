@@ -29,7 +29,6 @@ import functools
 import threading
 
 import torch
-import torch._decomp
 
 from ..core.interpreter import FIRST_TRANSFORM_HOOKS, current_stack
 from ..core.level_tensor import LevelTensor
@@ -188,21 +187,3 @@ def _attention_with_a_differentiable_backward(query, key, value, dropout_p=0.0, 
 library_ops.register_reverse_decomposition(_FLASH_CPU, _recorded_inside_a_transform, _attention_with_a_differentiable_backward)
 FIRST_TRANSFORM_HOOKS.append(lambda: library_ops.wrap_existing(_FLASH_CPU))
 
-
-# Batch norm in training mode differentiated three times. torch's derivative of its double
-# backward is wrong: d/dx <H v, w> of sum(sin(batch_norm(x))) is -1.86 where central
-# differences of torch's own Hessian-vector product give 1e-13 (plain torch, torch.func, and
-# functx's direct levels, which are torch's autograd). Where the backward may be
-# differentiated (ad/level.py), training-mode batch norm runs as torch._decomp's
-# decomposition (mean, variance, the running statistics' update): ops whose derivatives are
-# right at every order; elsewhere torch's kernel and formulas.
-_NATIVE_BATCH_NORM = torch.ops.aten.native_batch_norm.default
-_batch_norm_in_ops = torch._decomp.decomposition_table[_NATIVE_BATCH_NORM]
-
-
-def _batch_norm_differentiated_again(input, weight, bias, running_mean, running_var, training, *args) -> bool:
-    return training and torch.is_grad_enabled() and input.requires_grad and _inside_and_differentiated() == (True, True)
-
-
-library_ops.register_reverse_decomposition(_NATIVE_BATCH_NORM, _batch_norm_differentiated_again, _batch_norm_in_ops)
-FIRST_TRANSFORM_HOOKS.append(lambda: library_ops.wrap_existing(_NATIVE_BATCH_NORM))
