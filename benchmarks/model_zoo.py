@@ -17,6 +17,7 @@ the loop where functx runs samples one by one.
     python benchmarks/model_zoo.py --all      # and JVP, HVP, ensembling
     python benchmarks/model_zoo.py --quick    # 5 rounds
     python benchmarks/model_zoo.py --width 64 # wider models (the tests' width 8 is overhead-bound)
+    python benchmarks/model_zoo.py --jit      # per-sample gradients under functx.jit too
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def _float32(batch):
     return tuple(t.float() if t.is_floating_point() else t for t in batch)
 
 
-def _per_sample(lib, model, params, buffers, x, y):
+def _per_sample(lib, model, params, buffers, x, y, wrap=lambda f: f):
     def loss(p, xi, yi):
         return model.loss(lib.functional_call(model.module, (p, buffers), (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
-    mapped = lib.vmap(lib.grad(loss), in_dims=(None, 0, 0))
+    mapped = wrap(lib.vmap(lib.grad(loss), in_dims=(None, 0, 0)))
     return lambda: mapped(params, x, y)
 
 
@@ -126,8 +127,9 @@ def _runs(fn) -> str | None:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:70]}"
 
 
-def contenders(name: str, transform: str) -> tuple[dict, dict]:
-    """The timed calls of one model under one transform, and what did not run."""
+def contenders(name: str, transform: str, jit: bool = False) -> tuple[dict, dict]:
+    """The timed calls of one model under one transform, and what did not run (with `jit`,
+    per-sample gradients under functx.jit too: traced by the first call, replayed after)."""
     torch.manual_seed(0)
     model = make(name)
     model.module.float()
@@ -138,6 +140,8 @@ def contenders(name: str, transform: str) -> tuple[dict, dict]:
     if transform == "per-sample grads":
         calls = {lib.__name__: _per_sample(lib, model, params, buffers, x, y) for lib in (functx, torch.func)}
         calls["loop"] = _per_sample_loop(model, x, y)
+        if jit:
+            calls["functx.jit"] = _per_sample(functx, model, params, buffers, x, y, wrap=functx.jit)
     elif transform == "jvp":
         calls = {lib.__name__: _jvp(lib, model, params, buffers, x, tangents) for lib in (functx, torch.func)}
         calls["loop"] = _jvp_loop(model, x, tangents)
@@ -175,6 +179,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="JVP, HVP and ensembling too")
     parser.add_argument("--models", nargs="*", default=NAMES)
     parser.add_argument("--width", type=int, default=None, help="model width (the tests' is 8: overhead-bound)")
+    parser.add_argument("--jit", action="store_true", help="per-sample gradients under functx.jit too")
     args = parser.parse_args()
     if args.width is not None:  # read by the zoo's modules when they are made and called
         zoo.WIDTH = args.width
@@ -182,12 +187,13 @@ def main() -> None:
     rounds = 5 if args.quick else 15
     transforms = ["per-sample grads"] + (["jvp", "hvp", "ensemble"] if args.all else [])
     print("environment:", environment())
-    print("| model | transform | vectorized | functx ms | torch.func ms | loop ms | functx / torch.func | functx / loop |")
-    print("|---|---|---|---|---|---|---|---|")
+    jit_header = (" functx.jit ms | functx.jit / torch.func |", "---|---|") if args.jit else ("", "")
+    print("| model | transform | vectorized | functx ms | torch.func ms | loop ms | functx / torch.func | functx / loop |" + jit_header[0])
+    print("|---|---|---|---|---|---|---|---|" + jit_header[1])
     for name in args.models:
         whole = "yes" if vectorized(name) else "per sample"
         for transform in transforms:
-            calls, failed = contenders(name, transform)
+            calls, failed = contenders(name, transform, jit=args.jit)
             if "functx" not in calls:
                 print(f"| {name} | {transform} | {whole} | fails: {failed['functx']} | | | | |")
                 continue
@@ -198,10 +204,11 @@ def main() -> None:
             def ms(who):
                 return f"{timings.median(who) * 1e3:.2f}" if who in calls else f"refuses ({failed[who]})"
 
-            def ratio(who):
-                return f"{timings.paired_ratio('functx', who):.2f}x" if who in calls else "-"
+            def ratio(who, of="functx"):
+                return f"{timings.paired_ratio(of, who):.2f}x" if who in calls and of in calls else "-"
 
-            print(f"| {name} | {transform} | {whole} | {ms('functx')} | {ms('torch.func')} | {ms('loop')} | {ratio('torch.func')} | {ratio('loop')} |", flush=True)
+            jitted = f" {ms('functx.jit')} | {ratio('torch.func', of='functx.jit')} |" if "functx.jit" in calls or "functx.jit" in failed else ""
+            print(f"| {name} | {transform} | {whole} | {ms('functx')} | {ms('torch.func')} | {ms('loop')} | {ratio('torch.func')} | {ratio('loop')} |{jitted}", flush=True)
 
 
 if __name__ == "__main__":

@@ -298,6 +298,21 @@ class Op:
                 return ((v - mean) / torch.sqrt((v - mean).pow(2).mean((0, 2), keepdim=True) + 1e-5)).reshape(s)
 
             return fn, s, f"F.batch_norm({a}.reshape{shape3}, training=True)"
+        if name in ("layer_norm", "instance_norm"):  # over the last dim; over dims 2.. of (s0, s1, -1)
+            layer = name == "layer_norm"
+            shape = (-1, s[-1]) if layer else (s[0], s[1], -1)
+
+            def fn(vals):
+                v = vals[cur].reshape(shape)
+                if _transform_library():
+                    return (F.layer_norm(v, (s[-1],)) if layer else F.instance_norm(v)).reshape(s)
+                # the reference: the formula in ops (torch's own third derivatives of both are wrong)
+                dim = -1 if layer else 2
+                mean = v.mean(dim, keepdim=True)
+                return ((v - mean) / torch.sqrt((v - mean).pow(2).mean(dim, keepdim=True) + 1e-5)).reshape(s)
+
+            call = f"F.layer_norm({a}, ({s[-1]},))" if layer else f"F.instance_norm({a}.reshape{shape})"
+            return fn, s, call
         if name == "attention":  # self-attention over the last two dims (rows attend to rows)
             causal = p["causal"]
             heads = (1, -1, s[-2], s[-1])
@@ -582,15 +597,15 @@ class Op:
         # as its weight: the recomputation in the backward (after functional_call returned)
         # must see the given weight, not the module's own (it once did not: wrong gradients)
         if name == "checkpointed_call":
-            reentrant = p["reentrant"]
+            reentrant, body = p["reentrant"], p["body"]
 
             def fn(vals):
                 v = vals[cur]
                 if not _uses_operators():  # torch.func refuses checkpoint under its transforms
-                    return torch.sin(v * v) * v
-                return functx.functional_call(_CheckpointedScale(s, reentrant), {"w": v}, (v,))
+                    return _CHECKPOINT_BODIES[body][1](v * v) * v
+                return functx.functional_call(_CheckpointedScale(s, reentrant, body), {"w": v}, (v,))
 
-            return fn, s, f"functional_call(checkpointed sin({a} * w) * w, w={a}, reentrant={reentrant})"
+            return fn, s, f"functional_call(checkpointed {body}({a} * w) * w, w={a}, reentrant={reentrant})"
         # regions under torch.no_grad() / _set_fwd_grad_enabled(False) (see `region_semantics`)
         if name in ("no_grad", "no_fwd"):
             body = {"pow": lambda v: v.pow(2), "sin": lambda v: torch.sin(v) * v}[p["body"]]
@@ -616,16 +631,30 @@ class Op:
         raise ValueError(f"unknown op {name!r}")
 
 
-class _CheckpointedScale(torch.nn.Module):
-    """`sin(x * w) * w` under torch's checkpoint; its own `w` (ones) is never the one used."""
+def _layer_norm_in_ops(v):
+    mean = v.mean(-1, keepdim=True)
+    return (v - mean) / torch.sqrt((v - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
 
-    def __init__(self, shape, reentrant):
+
+_CHECKPOINT_BODIES = {  # what a checkpoint recomputes: (under functx, the reference's)
+    "sin": (torch.sin, torch.sin),
+    # a function whose ops functx picks by the levels around it (ad/norms_in_ops.py): the
+    # recomputation must pick as the first run did
+    "layer_norm": (lambda v: F.layer_norm(v, v.shape[-1:]), _layer_norm_in_ops),
+}
+
+
+class _CheckpointedScale(torch.nn.Module):
+    """`body(x * w) * w` under torch's checkpoint; its own `w` (ones) is never the one used."""
+
+    def __init__(self, shape, reentrant, body):
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(shape, dtype=torch.float64))
         self.reentrant = reentrant
+        self.body = _CHECKPOINT_BODIES[body][0]
 
     def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(lambda x: torch.sin(x * self.w) * self.w, x, use_reentrant=self.reentrant)
+        return torch.utils.checkpoint.checkpoint(lambda x: self.body(x * self.w) * self.w, x, use_reentrant=self.reentrant)
 
 
 def _uses_operators():
@@ -682,9 +711,9 @@ FAMILIES = {
     "reduction": ["sum", "mean", "logsumexp", "amax"],
     "view": ["reshape", "transpose", "slice", "select", "index_select", "gather", "expand"],
     "nn": ["matmul", "gram", "softmax", "attention", "conv1d", "linalg", "loss", "spectral"],
-    # not in PURE_FAMILIES: torch's own third derivative of batch norm is wrong (functx's direct
-    # levels are torch's autograd), so it is drawn under stacks of at most two transforms
-    "norm": ["batch_norm"],
+    # not in PURE_FAMILIES: drawn by test_fuzz_norms (torch's own third derivatives of these
+    # are wrong; functx runs them as their formula in ops where they may be: ad/norms_in_ops.py)
+    "norm": ["batch_norm", "layer_norm", "instance_norm"],
     "inplace": ["clone_mul_", "clone_self_", "clone_setitem", "clone_add_", "clone_sin_", "buf_copy", "buf_add", "buf_mul", "buf_setitem", "buf_slice"],
     "detach": ["detach_mul", "detach_add"],
     "function": ["function"],
@@ -712,6 +741,10 @@ def _applicable(name, s):
         return nd >= 2
     if name == "batch_norm":  # at least two values per channel
         return nd >= 2 and n // s[1] >= 2
+    if name == "layer_norm":
+        return nd >= 1 and s[-1] >= 2
+    if name == "instance_norm":  # at least two values per instance
+        return nd >= 2 and n // (s[0] * s[1]) >= 2
     if name == "slice":
         return nd >= 1 and s[0] >= 2
     if name == "expand":
@@ -747,6 +780,7 @@ def draw_op(draw, names, shapes, cur):
         p["pack"] = draw(st.sampled_from(["clone", "detach", "save_on_cpu"]))
     elif name == "checkpointed_call":
         p["reentrant"] = draw(st.booleans())
+        p["body"] = draw(st.sampled_from(["sin", "layer_norm"] if s and s[-1] >= 2 else ["sin"]))
     elif name == "attention":
         p["causal"] = draw(st.booleans())
     elif name == "unary":
@@ -1585,12 +1619,12 @@ def test_fuzz_vjp_fn_in_the_stack(case):
 
 
 @FUZZ
-@given(cases(PURE_FAMILIES + ["norm"], ALL + ["vjp_fn"], must_op=["batch_norm"], depth=(1, 2)))
-def test_fuzz_batch_norm(case):
-    """Programs through batch norm in training mode under stacks of one or two transforms:
-    second derivatives under vmap once lost the statistics' dependence on the input
-    (vmap(hessian): off by ~3). Not three: torch's own third derivative of batch norm is
-    wrong, and functx's direct levels (grad(grad(grad))) are torch's autograd (a known gap)."""
+@given(cases(PURE_FAMILIES + ["norm"], ALL + ["vjp_fn"], must_op=FAMILIES["norm"]))
+def test_fuzz_norms(case):
+    """Programs through batch norm in training mode, layer norm and instance norm under stacks
+    of up to three transforms: second derivatives under vmap once lost the statistics'
+    dependence on the input (vmap(hessian): off by ~3), and third derivatives were torch's
+    (grad(grad(grad)): off by 1.5 for batch norm, 25 for layer and instance norm)."""
     check(case)
 
 
