@@ -10,7 +10,9 @@ rms norm's are right at every order.
 
 Where a backward recorded now may itself be differentiated (`_inside_and_differentiated`:
 two AD levels, linearize, the double-VJP identity; ad/level.py), `F.layer_norm`,
-`F.batch_norm` in training mode and `F.instance_norm` with the input's statistics run as
+`F.batch_norm` in training mode and `F.instance_norm` with the input's statistics (and the
+ATen entry points `torch.native_layer_norm`, `torch.native_batch_norm`,
+`torch._native_batch_norm_legit`, `aten._batch_norm_with_update` called from Python) run as
 their formula in torch ops (`RUN_AS_PYTHON`, at the torch-function level: the ops go through
 every level as the user's would), whose derivatives are right at every order; the running
 statistics are updated as torch's kernels do, from the detached statistics. Elsewhere (one
@@ -65,24 +67,63 @@ def _update_running(running, momentum, statistic):
             running.mul_(1 - momentum).add_(statistic.detach().to(running.dtype), alpha=momentum)
 
 
+def _layer_norm_parts(input, normalized_shape, weight, bias, eps):
+    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    out, mean, var = _normalized(input, dims, eps)
+    return _affine(out, weight, bias, tuple(normalized_shape)), mean, torch.rsqrt(var + eps)
+
+
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     if not _differentiated_again(input, weight, bias):
         return NotImplemented
-    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
-    out, _, _ = _normalized(input, dims, eps)
-    return _affine(out, weight, bias, tuple(normalized_shape))
+    return _layer_norm_parts(input, normalized_shape, weight, bias, eps)[0]
+
+
+def _native_layer_norm(input, normalized_shape, weight, bias, eps):
+    """(output, mean, 1 / std): the statistics are not differentiable outputs, as torch's."""
+    if not _differentiated_again(input, weight, bias):
+        return NotImplemented
+    out, mean, rstd = _layer_norm_parts(input, normalized_shape, weight, bias, eps)
+    return out, mean.detach(), rstd.detach()
+
+
+def _batch_norm_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    """(output, mean, 1 / std) per channel, the running statistics updated."""
+    dims = (0, *range(2, input.dim()))
+    out, mean, var = _normalized(input, dims, eps)
+    count = input.numel() // input.shape[1]
+    _update_running(running_mean, momentum, mean.flatten())
+    _update_running(running_var, momentum, var.flatten() * count / max(count - 1, 1))
+    out = _affine(out, weight, bias, (1, -1) + (1,) * (input.dim() - 2))
+    return out, mean.flatten(), torch.rsqrt(var + eps).flatten()
 
 
 def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     if not training or input.dim() < 2 or not _differentiated_again(input, weight, bias):
         return NotImplemented
     F._verify_batch_size(input.size())  # torch's message for one value per channel
-    dims = (0, *range(2, input.dim()))
-    out, mean, var = _normalized(input, dims, eps)
-    count = input.numel() // input.shape[1]
-    _update_running(running_mean, momentum, mean.flatten())
-    _update_running(running_var, momentum, var.flatten() * count / max(count - 1, 1))
-    return _affine(out, weight, bias, (1, -1) + (1,) * (input.dim() - 2))
+    return _batch_norm_training(input, weight, bias, running_mean, running_var, momentum, eps)[0]
+
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training or input.dim() < 2 or not _differentiated_again(input, weight, bias):
+        return NotImplemented
+    out, mean, invstd = _batch_norm_training(input, weight, bias, running_mean, running_var, momentum, eps)
+    return out, mean.detach(), invstd.detach()
+
+
+def _native_batch_norm_legit(input, weight, bias, *rest):
+    """Both overloads: (running_mean, running_var, training, momentum, eps) and (training,
+    momentum, eps) without running statistics."""
+    running_mean, running_var, training, momentum, eps = rest if len(rest) == 5 else (None, None, *rest)
+    return _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    out = _native_batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    if out is NotImplemented:
+        return out
+    return (*out, torch.empty(0, dtype=torch.uint8, device=input.device))  # (cuDNN's reserve space)
 
 
 def _instance_norm(
@@ -103,7 +144,12 @@ def _instance_norm(
 _AS_FORMULA = {
     F.layer_norm: _layer_norm,
     torch.layer_norm: _layer_norm,
+    torch.native_layer_norm: _native_layer_norm,
     F.batch_norm: _batch_norm,
+    torch.native_batch_norm: _native_batch_norm,
+    torch._native_batch_norm_legit: _native_batch_norm_legit,
+    torch.ops.aten._batch_norm_with_update: _batch_norm_with_update,
+    torch.ops.aten._batch_norm_with_update.default: _batch_norm_with_update,
     F.instance_norm: _instance_norm,
 }
 RUN_AS_PYTHON.update(_AS_FORMULA)
