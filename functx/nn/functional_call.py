@@ -23,7 +23,7 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from ..core.container_kinds import in_use
 from ..core.containers import is_container
 from ..core.recompute import register_context
-from .per_thread import substituted
+from .per_thread import rnn_modules, substituted
 
 __all__ = ["functional_call"]
 
@@ -162,10 +162,25 @@ def tied_groups(module: nn.Module) -> list[list[str]]:
     """Names of parameters and buffers that share one tensor in `module`, one list per
     tensor (in `named_parameters`/`named_buffers` order; untied tensors give lists of one)."""
     by_tensor: dict[int, list[str]] = {}
-    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
-        for name, tensor in named:
+    for kind in ("_parameters", "_buffers"):
+        for name, tensor in _named_tensors(module, kind):
             by_tensor.setdefault(id(tensor), []).append(name)
     return list(by_tensor.values())
+
+
+def _named_tensors(module: nn.Module, kind: str, prefix: str = ""):
+    """`named_parameters(remove_duplicate=False)` (kind "_parameters") or `named_buffers(...)`
+    (kind "_buffers"): the same names in the same order (a submodule reached by two paths
+    under each), walked over the modules' dicts directly. Paid by every `functional_call`:
+    torch's generators cost 4x as much."""
+    own = module.__dict__.get(kind)
+    if own:
+        for name, tensor in own.items():
+            if tensor is not None:
+                yield prefix + name, tensor
+    for child_name, child in module.__dict__.get("_modules", {}).items():
+        if child is not None:
+            yield from _named_tensors(child, kind, f"{prefix}{child_name}.")
 
 
 def _untie(module: nn.Module, given: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -254,11 +269,7 @@ def _save_rnn_caches(module: nn.Module) -> list[tuple[nn.Module, list, list]]:
     """RNN modules cache their weights in `_flat_weights`; the swap bypasses the module's
     `__setattr__`, so the forward refreshes that cache with the swapped-in values. Keep
     the cache as it was, so that the module does not hold on to transform tensors."""
-    return [
-        (m, list(m._flat_weights), list(m._flat_weight_refs))
-        for m in module.modules()
-        if isinstance(m, nn.RNNBase) and hasattr(m, "_flat_weights")
-    ]
+    return [(m, list(m._flat_weights), list(m._flat_weight_refs)) for m in rnn_modules(module) if hasattr(m, "_flat_weights")]
 
 
 def _restore_rnn_caches(caches: list[tuple[nn.Module, list, list]]) -> None:
