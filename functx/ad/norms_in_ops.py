@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from torch.overrides import TorchFunctionMode
 
+from ..core.patches import way_in
 from ..core.recompute import register_context
 from ..core.torch_function import RUN_AS_PYTHON
 from .aten_reverse_rules import _inside_and_differentiated
@@ -166,6 +167,14 @@ class _NormsAsFormula(TorchFunctionMode):
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
+
+
+way_in(
+    "a checkpoint's recomputation of norms whose first run took their formula",
+    _NormsAsFormula,
+    "the recomputation runs inside functx's handling of torch.autograd.grad, where the one "
+    "torch-function mode is off torch's stack; live only for that recomputation",
+)
 
 
 def _capture_for_recomputation():
