@@ -21,8 +21,9 @@ level, vmap alone, no transform) torch's fused kernels run.
 A checkpointed function recomputed in the backward runs inside functx's handling of
 `torch.autograd.grad`, where functx's torch-function mode is off torch's stack: its norms
 would run as torch's kernels and save other tensors than the first run (a CheckpointError).
-Where the first run took the formula, the recomputation runs under `_NormsAsFormula`, a mode
-of its own (registered with core/recompute.py).
+Where the first run took the formula, the recomputation puts that one mode back for its
+calls, with no handler live (`run_as_python_only`, registered with core/recompute.py), so that
+the norms choose again as they chose then.
 """
 
 from __future__ import annotations
@@ -30,11 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch.overrides import TorchFunctionMode
-
-from ..core.patches import way_in
 from ..core.recompute import register_context
-from ..core.torch_function import RUN_AS_PYTHON
+from ..core.torch_function import RUN_AS_PYTHON, run_as_python_only
 from .aten_reverse_rules import _inside_and_differentiated
 
 
@@ -156,29 +154,8 @@ _AS_FORMULA = {
 RUN_AS_PYTHON.update(_AS_FORMULA)
 
 
-class _NormsAsFormula(TorchFunctionMode):
-    """The norms as their formula where they may be, for a recomputation (module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        run = _AS_FORMULA.get(func)
-        if run is not None:
-            out = run(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return func(*args, **kwargs)
-
-
-way_in(
-    "a checkpoint's recomputation of norms whose first run took their formula",
-    _NormsAsFormula,
-    "the recomputation runs inside functx's handling of torch.autograd.grad, where the one "
-    "torch-function mode is off torch's stack; live only for that recomputation",
-)
-
-
 def _capture_for_recomputation():
-    return _NormsAsFormula if _inside_and_differentiated() == (True, True) else None
+    return run_as_python_only if _inside_and_differentiated() == (True, True) else None
 
 
 register_context(_capture_for_recomputation)

@@ -166,6 +166,21 @@ def seen_here_and_outer() -> seen_by_outer:
     return seen_by_outer(_extra=1)
 
 
+class run_as_python_only(seen_by_outer):
+    """The block's torch calls: those in `RUN_AS_PYTHON` run as their Python, no handler sees
+    any. For a checkpoint's recomputation that runs inside a handler (functx's handling of
+    `torch.autograd.grad`), where the mode is off torch's stack, and must choose as the first
+    run chose (ad/norms_in_ops.py) without the levels that saw the first run, long returned."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        mode = _per_thread.mode
+        self._depth, mode.depth = mode.depth, 0
+        self._pushed = _put_on_stack(mode)
+        return self
+
+
 def live_handlers() -> tuple:
     """The handlers that see a torch call made now, innermost last."""
     mode = _per_thread.mode

@@ -185,7 +185,7 @@ def test_every_dispatcher_in_functx_is_a_registered_way_in():
             assert (module, name) in registered, f"{path.relative_to(ROOT)}:{line} {name} is a way in not registered with core/patches.way_in"
             found.add((module, name))
     assert found == registered
-    assert len({entry.what for entry in WAYS_IN}) == len(WAYS_IN) == 4  # (the fourth: ad/norms_in_ops.py, recomputations only)
+    assert len({entry.what for entry in WAYS_IN}) == len(WAYS_IN) == 3
 
 
 def test_the_source_check_sees_a_mode_and_a_dispatch_class():
