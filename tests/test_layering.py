@@ -18,7 +18,7 @@ LAYERS = [
     ("core",),
     ("vmap", "functionalize", "einops"),
     ("ad",),
-    ("library", "nn"),
+    ("library", "nn", "taylor"),
     ("kernels", "staging"),
     ("dp", "explain"),
     ("distributed", "__init__"),

@@ -1,0 +1,7 @@
+"""Taylor mode: `jet` as an interpreter level (taylor/level.py) with its own rule table
+(taylor/rules.py, the recurrences of taylor/series.py)."""
+
+from .api import jet
+from .level import JET_RULES, JetLevel, JetTensor
+
+__all__ = ["jet", "JetLevel", "JetTensor", "JET_RULES"]

@@ -1,0 +1,84 @@
+"""The jet level's last resort: an op's Taylor coefficients by nested forward mode.
+
+For an op with no rule and no decomposition (a special function: lgamma, digamma, an
+extension's operator), the output's coefficients along the path are the derivatives in t of
+`op(x0 + x1 t + ... + xK t^K)` at t = 0, divided by k!: `functx.jvp` nested k deep in the
+scalar t. Right for any op with forward (or double-VJP) derivatives, at about 2^k op calls
+for the k-th coefficient instead of the rule's k; one `functx.PerformanceWarning` per op
+names it, so the missing rule gets written.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from ..ad.forward import jvp
+from ..core.errors import PerformanceWarning, op_name, user_stacklevel
+
+
+def nested_forward_fallback(op):
+    warned = []
+
+    def fallback(level, *args, **kwargs):
+        if not warned:
+            warned.append(True)
+            warnings.warn(
+                f"functx.jet: there is no Taylor rule for {op_name(op)}; its coefficients are "
+                f"computed by nested forward mode (about 2^k calls of the op for the k-th). "
+                f"Please file an issue naming this op.",
+                PerformanceWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return level.wrap_series(_coefficients_by_nested_jvp(level, op, args, kwargs))
+
+    return fallback
+
+
+def _on_path(level, value, t):
+    """A jet of `level` as the point of its path at `t`; anything else as it is."""
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_on_path(level, v, t) for v in value)
+    if not level.is_jet(value):
+        return value
+    point = value._value
+    for k, c in enumerate(value._series, start=1):
+        if c is not None:
+            point = point + c * t**k
+    return point
+
+
+def _coefficients_by_nested_jvp(level, op, args, kwargs):
+    primal = next(level.series_of(a)[0] for a in _flat(args, kwargs) if level.is_jet(a))
+    t0 = torch.zeros((), dtype=primal.dtype, device=primal.device)
+    one = torch.ones((), dtype=primal.dtype, device=primal.device)
+
+    def along(t):
+        return op(*_on_path(level, list(args), t), **{k: _on_path(level, v, t) for k, v in kwargs.items()})
+
+    y0 = along(t0)
+    if not isinstance(y0, torch.Tensor):
+        raise NotImplementedError(
+            f"functx.jet: {op_name(op)} returns several values and has no Taylor rule; "
+            f"please file an issue naming this op."
+        )
+    derivative = along
+    coefficients = [y0]
+    for k in range(1, level.order + 1):
+        derivative = _derivative_of(derivative, one)
+        coefficients.append(derivative(t0) / math.factorial(k))
+    return coefficients
+
+
+def _derivative_of(function, one):
+    return lambda t: jvp(function, (t,), (one,))[1]
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if type(a) is list or type(a) is tuple:
+            yield from a
+        else:
+            yield a
