@@ -25,13 +25,13 @@ from .einops import rearrange
 from .staging import watch_for_dynamo as _watch_for_dynamo
 from .staging.jit import jit
 from .explain import explain
-from .taylor import jet
+from .taylor import bilaplacian, jet, laplacian, weighted_laplacian
 
 _watch_for_dynamo()  # torch.compile support, installed when torch._dynamo is imported
 
 __version__ = "0.1.0"
 
-__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "checkpoint", "checkpoint_policies", "checkpoint_name", "functionalize", "rearrange", "jit", "explain", "jet", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap", "register_batched_container"]
+__all__ = ["library", "nn", "replace_all_batch_norm_modules_", "functional_call", "stack_module_state", "make_functional", "make_functional_with_buffers", "combine_state_for_ensemble", "Ensemble", "vmap_init", "vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "checkpoint", "checkpoint_policies", "checkpoint_name", "functionalize", "rearrange", "jit", "explain", "jet", "laplacian", "weighted_laplacian", "bilaplacian", "dp", "kernels", "distributed", "PerformanceWarning", "set_vmap_fallback", "vmap_fallback", "debug_unwrap", "register_batched_container"]
 
 
 def __getattr__(name):

@@ -2,6 +2,7 @@
 (taylor/rules.py, the recurrences of taylor/series.py)."""
 
 from .api import jet
+from .operators import bilaplacian, laplacian, weighted_laplacian
 from .level import JET_RULES, JetLevel, JetTensor
 
-__all__ = ["jet", "JetLevel", "JetTensor", "JET_RULES"]
+__all__ = ["jet", "laplacian", "weighted_laplacian", "bilaplacian", "JetLevel", "JetTensor", "JET_RULES"]

@@ -74,19 +74,22 @@ JET_RULES = RuleTable("jet", fallback=_fallback_factory)
 
 
 class JetLevel(Interpreter):
-    """One `jet` level of order `order` (see the module docstring)."""
+    """One `jet` level of order `order` (see the module docstring); with `collapse` (a
+    `Collapse`, taylor/collapse.py), a collapsed one: the coefficients below the top carry
+    one value per direction (a vmap level's batch), the top one their (weighted) sum."""
 
-    __slots__ = ("order",)
+    __slots__ = ("order", "collapse")
     forward_mode = False
 
-    def __init__(self, order: int):
+    def __init__(self, order: int, collapse=None):
         self.order = order
+        self.collapse = collapse
         super().__init__()
         self.refresh()
 
     def refresh(self):
         self.lower = _restore_outside
-        self.handler_of = JET_RULES.lookup(_handler)
+        self.handler_of = JET_RULES.lookup(_handler if self.collapse is None else _collapsed_handler)
 
     # -- values of this level ------------------------------------------------------------
     def wrap(self, primal: torch.Tensor, series: list) -> JetTensor:
@@ -144,6 +147,74 @@ def _handler(op, rule):
             return rule(level, *args, **kwargs)
 
     return handle
+
+
+def _runs_on_jets(op, rule) -> bool:
+    """Whether the op's rule computes on the level's tensors (a decomposition, a rule written
+    with ops on jets, one that never reads coefficients): each op inside is handled on its own."""
+    return JET_RULES.how(op) == "decomposition" or getattr(rule, "on_jets", False)
+
+
+def _collapsed_handler(op, rule):
+    """The whole of `op` at a collapsed jet level: the rule twice, once without the top
+    coefficients (every term of the output's top coefficient but the linear one, one per
+    direction, then summed over the directions) and once with the top coefficients alone as
+    first ones (the linear term `J(x0) x_K`, on the sum); their sum is the output's top
+    coefficient. Right because the top coefficient of any op's output is `J(x0) x_K` plus
+    a polynomial in the lower coefficients (Faa di Bruno)."""
+    plain = _handler(op, rule)
+    if mutated_argument(op) is not None or writes_out(op) or op is torch.ops.aten.detach.default or _runs_on_jets(op, rule):
+        return plain
+    viewing = returns_view(op)
+
+    def handle(level, args, kwargs):
+        if viewing:
+            args[0]._has_views = True
+        with level.lower():
+            return _split_at_the_top(level, rule, args, kwargs)
+
+    return handle
+
+
+def _split_at_the_top(level, rule, args, kwargs):
+    tops = []
+
+    def below_top(x):
+        if type(x) is list or type(x) is tuple:
+            return type(x)(below_top(e) for e in x)
+        if not level.is_jet(x):
+            return x
+        tops.append(x._series[-1])
+        return level.wrap(x._value, x._series[:-1] + [None])
+
+    def top_alone(x):
+        if type(x) is list or type(x) is tuple:
+            return type(x)(top_alone(e) for e in x)
+        if not level.is_jet(x):
+            return x
+        return level.wrap(x._value, [x._series[-1]] + [None] * (level.order - 1))
+
+    lower_terms = rule(level, *below_top(args), **{k: below_top(v) for k, v in kwargs.items()})
+    linear_term = None
+    if any(t is not None for t in tops):
+        linear_term = rule(level, *top_alone(args), **{k: top_alone(v) for k, v in kwargs.items()})
+    collapse = level.collapse
+    if isinstance(lower_terms, torch.Tensor):
+        return _collapsed_output(level, collapse, lower_terms, linear_term)
+    return type(lower_terms)(
+        _collapsed_output(level, collapse, out, None if linear_term is None else linear_term[i])
+        for i, out in enumerate(lower_terms)
+    )
+
+
+def _collapsed_output(level, collapse, out, linear):
+    if not level.is_jet(out):
+        return out
+    top = collapse.summed(out._series[-1])
+    if linear is not None and level.is_jet(linear) and linear._series[0] is not None:
+        top = linear._series[0] if top is None else top + linear._series[0]
+    out._series[-1] = top
+    return out
 
 
 def _out_of_place(op):

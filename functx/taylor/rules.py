@@ -221,9 +221,9 @@ def _on_primals(op):
     """The rule of an op whose result has no coefficients: the op of the primals."""
 
     def rule(level, *args, **kwargs):
-        out = op(*[_primal(level, a) for a in args], **{k: _primal(level, v) for k, v in kwargs.items()})
-        return out
+        return op(*[_primal(level, a) for a in args], **{k: _primal(level, v) for k, v in kwargs.items()})
 
+    rule.on_jets = True  # (reads no coefficient: a collapsed level runs it once)
     return rule
 
 
@@ -482,6 +482,9 @@ def _item(level, x):
     return _primal(level, x).item()
 
 
+_item.on_jets = True
+
+
 # -- composites torch decomposes into prims (no autograd there): written on the level's tensors --
 def _reduced_dims(x, dim):
     if dim is None or dim == [] or dim == ():
@@ -525,3 +528,7 @@ for _op in (
     aten.nextafter.default,
 ):
     JET_RULES.set(_op, nested_forward_fallback(_op))
+
+
+for _rule in (_var, _std, _var_mean, _std_mean):
+    _rule.on_jets = True  # written with ops on the level's tensors
