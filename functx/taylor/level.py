@@ -78,14 +78,21 @@ class JetLevel(Interpreter):
     `Collapse`, taylor/collapse.py), a collapsed one: the coefficients below the top carry
     one value per direction (a vmap level's batch), the top one their (weighted) sum."""
 
-    __slots__ = ("order", "collapse")
+    __slots__ = ("order", "collapse", "first_order")
     forward_mode = False
 
     def __init__(self, order: int, collapse=None):
         self.order = order
         self.collapse = collapse
         super().__init__()
+        # a collapsed level's linear terms are first coefficients: its rules run them at an
+        # order-1 level of their own (never on the stack: its tensors meet no op)
+        self.first_order = JetLevel(1) if collapse is not None and order > 1 else None
         self.refresh()
+
+    def popped(self):
+        if self.first_order is not None:
+            self.first_order.alive = False
 
     def refresh(self):
         self.lower = _restore_outside
@@ -187,17 +194,19 @@ def _split_at_the_top(level, rule, args, kwargs):
         tops.append(x._series[-1])
         return level.wrap(x._value, x._series[:-1] + [None])
 
+    linear_level = level.first_order or level
+
     def top_alone(x):
         if type(x) is list or type(x) is tuple:
             return type(x)(top_alone(e) for e in x)
         if not level.is_jet(x):
             return x
-        return level.wrap(x._value, [x._series[-1]] + [None] * (level.order - 1))
+        return linear_level.wrap(x._value, [x._series[-1]] + [None] * (linear_level.order - 1))
 
     lower_terms = rule(level, *below_top(args), **{k: below_top(v) for k, v in kwargs.items()})
     linear_term = None
     if any(t is not None for t in tops):
-        linear_term = rule(level, *top_alone(args), **{k: top_alone(v) for k, v in kwargs.items()})
+        linear_term = rule(linear_level, *top_alone(args), **{k: top_alone(v) for k, v in kwargs.items()})
     collapse = level.collapse
     if isinstance(lower_terms, torch.Tensor):
         return _collapsed_output(level, collapse, lower_terms, linear_term)
@@ -210,8 +219,8 @@ def _split_at_the_top(level, rule, args, kwargs):
 def _collapsed_output(level, collapse, out, linear):
     if not level.is_jet(out):
         return out
-    top = collapse.summed(out._series[-1])
-    if linear is not None and level.is_jet(linear) and linear._series[0] is not None:
+    top = out._series[-1] if getattr(out, "_top_summed", False) else collapse.summed(out._series[-1])
+    if isinstance(linear, JetTensor) and linear._series[0] is not None:
         top = linear._series[0] if top is None else top + linear._series[0]
     out._series[-1] = top
     return out

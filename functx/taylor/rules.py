@@ -135,7 +135,34 @@ _register_linear([aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar], 0, 1)
 _register_linear([aten.constant_pad_nd.default], 0, 2, names=("value",))
 _register_linear([aten.masked_fill.Scalar, aten.masked_fill.Tensor], 0, 2)
 # jointly linear
-_register_linear([aten.add.Tensor, aten.sub.Tensor, aten.rsub.Tensor], 0, 1)
+_register_linear([aten.rsub.Tensor], 0, 1)
+
+
+def _sum_rule(sign):
+    """add.Tensor / sub.Tensor: `a_k + sign * alpha * b_k`, a coefficient that only one side
+    has passing through as it is (broadcast to the result), without adding zeros to it."""
+
+    def rule(level, a, b, *, alpha=1):
+        sa, sb = level.series_of(a), level.series_of(b)
+        out0 = torch.add(sa[0], sb[0], alpha=sign * alpha)
+        coefficients = []
+        for ca, cb in zip(sa[1:], sb[1:]):
+            if cb is None:
+                c = None if ca is None else ca
+            elif ca is None:
+                c = cb * (sign * alpha) if sign * alpha != 1 else cb
+            else:
+                c = torch.add(ca, cb, alpha=sign * alpha)
+            if c is not None and (c.shape != out0.shape or c.dtype != out0.dtype):
+                c = c.to(out0.dtype).expand(out0.shape)
+            coefficients.append(c)
+        return level.wrap_series([out0, *coefficients])
+
+    return rule
+
+
+JET_RULES.set(aten.add.Tensor, _sum_rule(1))
+JET_RULES.set(aten.sub.Tensor, _sum_rule(-1))
 _register_linear(_overloads(aten.cat, aten.stack, aten.hstack, aten.vstack), 0)
 _register_linear(_overloads(aten.where), 1, 2)
 _register_linear([aten.copy.default], 1)
@@ -315,6 +342,10 @@ def _with_primal(series_, primal):
 
 def _pointwise(function):
     def rule(level, x):
+        if level.collapse is not None:  # coefficients per direction: compose (series.composed)
+            out = level.wrap_series(S.composed(level.series_of(x), function, level.collapse.summed))
+            out._top_summed = True  # (taylor/level.py: not summed again)
+            return out
         return level.wrap_series(function(level.series_of(x)))
 
     return rule

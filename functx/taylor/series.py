@@ -228,6 +228,31 @@ def chain(y0: torch.Tensor, x: Sequence, derivative: Callable[[list], list]) -> 
     return integral(y0, x, derivative(list(x[:-1]) + [None]) if order(x) else [None])
 
 
+def composed(x: Sequence, function: Callable[[list], list], summed: Optional[Callable] = None) -> list:
+    """`function`'s series along `x`, by composing its derivatives at x0 with the path:
+    `y_k = sum_{m=1..k} d_m [t^k] (x1 t + x2 t^2 + ...)^m`, `d_m = f^(m)(x0) / m!` (from
+    `function` along `x0 + t`). The same numbers as `function(x)`; cheaper where the
+    coefficients are much larger than the primal (one per direction under a vmap, as a
+    collapsed Laplacian carries them): the recurrence then runs on the primal's size, and
+    the coefficients meet only products and one multiplication by each d_m. With `summed`
+    (a collapsed level's sum over directions) the top coefficient comes back summed, the sum
+    taken before the multiplication by d_m (which is the same for every direction)."""
+    k_max = order(x)
+    d = function([x[0], torch.ones_like(x[0])] + [None] * (k_max - 1))
+    y = [d[0]] + [None] * k_max
+    power = [None] + list(x[1:])  # (x1 t + x2 t^2 + ...)^m, m = 1
+    for m in range(1, k_max + 1):
+        if m > 1:
+            power = [None] * m + [cauchy(power, x_shifted, k) for k in range(m, k_max + 1)]
+        for k in range(m, k_max + 1):
+            if power[k] is not None and d[m] is not None:
+                term = d[m] * (summed(power[k]) if summed is not None and k == k_max else power[k])
+                y[k] = term if y[k] is None else y[k] + term
+        if m == 1:
+            x_shifted = [None] + list(x[1:])
+    return y
+
+
 def erf(x: Sequence) -> list:
     scale = 2 / math.sqrt(math.pi)
     return chain(torch.erf(x[0]), x, lambda u: affine(exp(affine(integer_power(u, 2), -1.0)), scale))
