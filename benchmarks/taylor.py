@@ -214,8 +214,8 @@ def train(dim, batch, rounds):
 
     leaves = [p.clone().requires_grad_() for p in params]
     contenders = {
-        "functx.laplacian + torch.autograd": lambda: torch.autograd.grad(loss_functx(leaves), leaves),
-        "torch.func hessian + torch.autograd": lambda: torch.autograd.grad(loss_torch_func(leaves), leaves),
+        "functx.laplacian + torch.autograd": lambda: torch.autograd.grad(loss_functx(leaves), leaves, allow_unused=True),
+        "torch.func hessian + torch.autograd": lambda: torch.autograd.grad(loss_torch_func(leaves), leaves, allow_unused=True),
         "functx.grad(functx.laplacian)": lambda: functx.grad(loss_functx)(params),
     }
     timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=1)

@@ -217,7 +217,10 @@ def _apply_at_jvp_level(level, function, args, kwargs):
                 outputs = function.apply(*duals, **kwargs)
         else:  # on this level's carriers: the single-level Function, whose jvp is the user's
             outputs = _apply_at_grad_level(level, function, duals, kwargs)
-    for arg, dual in zip(args, duals):  # an input returned (marked dirty): itself
-        if outputs is dual:
-            return arg
-    return level.wrap_outputs(outputs, True)
+        for arg, dual in zip(args, duals):  # an input returned (marked dirty): itself
+            if outputs is dual:
+                return arg
+        # (taken apart with forward AD on: applied inside another Function's jvp, where torch
+        # has it off, `_unpack_dual` gave no tangent, and jvp(jvp(f)) of a Function whose jvp
+        # applies a Function lost its second derivative: zero)
+        return level.wrap_outputs(outputs, True)

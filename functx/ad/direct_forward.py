@@ -41,6 +41,8 @@ import torch
 
 from ..vmap.batched_tensor import UNDER_DIRECT_JVP
 from ..vmap.chain import batched_copy, batched_everywhere, is_batched_everywhere, peel, rewrap_like, wrap_chain
+from ..core.custom_function import apply_original
+from ..core.forward_ad_state import applying_at_torch_level, user_forward_ad
 from .custom_function import no_jvp_message
 from .dual_tensor import DUAL_LEVEL, load_forward_decompositions, make_dual, overlaps, tangent_like, unpack_dual
 from .direct_reverse import install_above, install_direct_level, recorded_at, restore_above, restore_direct_level
@@ -95,6 +97,13 @@ class DirectJvpLevel(ADLevel):
             for a in optree.tree_leaves(args, none_is_leaf=True):
                 if isinstance(a, torch.Tensor) and unpack_dual(a, DUAL_LEVEL)[1] is not None:
                     raise RuntimeError(no_jvp_message(function.__name__))
+        if not torch._C._is_fwd_grad_enabled() and user_forward_ad():
+            # applied inside another Function's jvp (or forward) at a level above, where torch
+            # switched forward AD off for that level: this level's tangents still flow (torch's
+            # apply with it off dropped them: jvp(jvp(F)) of an F whose jvp applies a
+            # Function was zero)
+            with torch.autograd.forward_ad._set_fwd_grad_enabled(True), applying_at_torch_level():
+                return apply_original(function, *args, **kwargs)
         return NotImplemented
 
     def pushed(self):

@@ -93,6 +93,21 @@ class applying_function:
         _outside.functions -= 1
 
 
+class applying_at_torch_level:
+    """While a jvp level on values (torch's forward AD itself) applies a Function with torch's
+    own apply: torch switches forward AD off inside that Function's jvp for this very level,
+    so the levels above's `applying_function` no longer speaks for it."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self):
+        self._saved = getattr(_outside, "functions", 0)
+        _outside.functions = 0
+
+    def __exit__(self, *exc):
+        _outside.functions = self._saved
+
+
 def user_forward_ad() -> bool:
     """Whether forward AD is on for the op a forward level is given, as the user's code set
     it. `_set_fwd_grad_enabled(False)` around an op stops its tangents at every forward level,

@@ -90,6 +90,13 @@ class JetLevel(Interpreter):
         self.first_order = JetLevel(1) if collapse is not None and order > 1 else None
         self.refresh()
 
+    def apply_function(self, function, args, kwargs):
+        """An autograd.Function with this level's tensors among its arguments: its Taylor
+        coefficients by nested forward mode through its own derivatives (taylor/fallback.py)."""
+        from .fallback import taylor_by_nested_jvp
+
+        return taylor_by_nested_jvp(self, function.apply, args, kwargs)
+
     def popped(self):
         if self.first_order is not None:
             self.first_order.alive = False

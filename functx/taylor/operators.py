@@ -83,6 +83,14 @@ def _gradient_from_basis(first, value, x):
 
 
 def _random_directions(x, samples, distribution, generator, name):
+    """S random directions shaped like `x` and their weights. Drawn as part of the operator,
+    not as the user's random call: once per call, shared by every element of an enclosing
+    vmap (as a tensor drawn before it would be), whatever its `randomness`."""
+    with functx_code():  # (vmap's randomness handlers see users' torch calls, not these)
+        return _draw(x, samples, distribution, generator, name)
+
+
+def _draw(x, samples, distribution, generator, name):
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"functx.{name}: samples must be a positive int (the number of random directions); got {samples!r}.")
     if distribution not in _DISTRIBUTIONS:
@@ -125,6 +133,7 @@ def laplacian(
         distribution: the random directions: "rademacher" (±1 entries) or "gaussian"
             (E[v v^T] = I, weight 1/S), or "sparse" (S distinct basis vectors, weight D/S).
         generator: the `torch.Generator` the directions are drawn from (default: torch's).
+            They are drawn once per call: under `vmap`, every element shares them.
 
     Returns:
         A function taking `func`'s arguments and returning the Laplacian (shaped like

@@ -266,9 +266,8 @@ for _op in _overloads(
     aten.sym_storage_offset, aten.is_same_size, aten._has_compatible_shallow_copy_type,
 ):
     JET_RULES.set(_op, _on_primals(_op))
-for _op in (aten.div.Tensor_mode, aten.div.Scalar_mode, aten.remainder.Tensor, aten.remainder.Scalar,
-            aten.fmod.Tensor, aten.fmod.Scalar):
-    # piecewise constant in the divisor's multiples: the remainder is x - q b with q constant
+for _op in (aten.div.Tensor_mode, aten.div.Scalar_mode):
+    # a rounded quotient: piecewise constant (remainder and fmod are not: x - q b, decomposed)
     JET_RULES.set(_op, _on_primals(_op))
 
 
@@ -556,7 +555,9 @@ for _op in (
     aten.hypot.default, aten.prod.default, aten.prod.dim_int, aten.cumprod.default, aten.i0.default,
     aten.special_i0e.default, aten.special_i1.default, aten.special_i1e.default, aten.special_ndtri.default,
     aten.special_erfcx.default, aten.mvlgamma.default, aten.logaddexp.default, aten.logaddexp2.default,
-    aten.nextafter.default,
+    aten.nextafter.default, aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor,
+    aten.fmod.Tensor, aten.fmod.Scalar, aten.copysign.Tensor, aten.copysign.Scalar, aten.frexp.Tensor,
+    aten.scatter_reduce.two, aten.index_reduce.default, aten.linalg_householder_product.default,
 ):
     JET_RULES.set(_op, nested_forward_fallback(_op))
 

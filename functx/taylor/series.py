@@ -240,16 +240,15 @@ def composed(x: Sequence, function: Callable[[list], list], summed: Optional[Cal
     k_max = order(x)
     d = function([x[0], torch.ones_like(x[0])] + [None] * (k_max - 1))
     y = [d[0]] + [None] * k_max
-    power = [None] + list(x[1:])  # (x1 t + x2 t^2 + ...)^m, m = 1
+    shifted = [None] + list(x[1:])  # x(t) - x0
+    power = shifted  # (x(t) - x0)^m, m = 1
     for m in range(1, k_max + 1):
         if m > 1:
-            power = [None] * m + [cauchy(power, x_shifted, k) for k in range(m, k_max + 1)]
+            power = [None] * m + [cauchy(power, shifted, k) for k in range(m, k_max + 1)]
         for k in range(m, k_max + 1):
             if power[k] is not None and d[m] is not None:
                 term = d[m] * (summed(power[k]) if summed is not None and k == k_max else power[k])
                 y[k] = term if y[k] is None else y[k] + term
-        if m == 1:
-            x_shifted = [None] + list(x[1:])
     return y
 
 

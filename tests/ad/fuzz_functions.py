@@ -15,6 +15,11 @@ reach it:
                reverse transforms raise, as in torch.func);
 - `nojvp`:     `generate_vmap_rule = True` and `backward` only (torch.func's forward
                transforms raise; functx's take the double-VJP identity through `backward`);
+- `nested`:    `generate_vmap_rule = True`, torch forward, `backward` and `jvp` that apply
+               another Function (`_Product`,
+               whose own `backward` and `jvp` apply it again): a Function applied inside a
+               Function's derivative, at every level (jvp(jvp) of one lost its second
+               derivative where both jvp levels wrapped: zero);
 - `oldstyle`:  `forward(ctx, x, y)` with `backward` (torch.func refuses old-style Functions
                under every transform; functx runs them under grad/vjp, per element under
                vmap, and under forward transforms by the double-VJP identity).
@@ -134,6 +139,59 @@ class NoJvpFn(_Saving):
         return _backward(*ctx.saved_tensors, g)
 
 
+class _Product(torch.autograd.Function):
+    """a * b (b broadcasting to a), whose derivatives apply it again."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        return a * b
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return _Product.apply(g, b), _Product.apply(g, a).sum_to_size(b.shape)
+
+    @staticmethod
+    def jvp(ctx, ta, tb):
+        a, b = ctx.saved_tensors
+        out = torch.zeros_like(a * b)
+        if ta is not None:
+            out = out + _Product.apply(ta, b)
+        if tb is not None:
+            out = out + _Product.apply(a, tb)
+        return out
+
+
+class NestedFn(_Saving):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y):
+        return reference(x, y)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        return _Product.apply(g, y + torch.cos(x)), _Product.apply(g, x).sum_to_size(y.shape)
+
+    @staticmethod
+    def jvp(ctx, tx, ty):
+        x, y = ctx.saved_tensors
+        out = torch.zeros_like(x * y)
+        if tx is not None:
+            out = out + _Product.apply(tx, y + torch.cos(x))
+        if ty is not None:
+            out = out + _Product.apply(x, ty)
+        return out
+
+
 class OldStyleFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):
@@ -151,5 +209,6 @@ FUNCTIONS = {
     "generated": GeneratedFn,
     "fwdonly": ForwardOnlyFn,
     "nojvp": NoJvpFn,
+    "nested": NestedFn,
     "oldstyle": OldStyleFn,
 }

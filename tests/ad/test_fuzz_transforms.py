@@ -2535,3 +2535,15 @@ if SEED is not None:  # FUNCTX_FUZZ_SEED: the fuzz tests draw from that seed (mo
     for _name, _test in list(globals().items()):
         if _name.startswith("test_fuzz"):
             globals()[_name] = seed(int(SEED))(_test)
+
+
+@pytest.mark.parametrize("stack", [["jvp", "jvp"], ["jacfwd", "jacfwd"], ["grad", "jvp", "jvp"]])
+def test_regression_forward_over_forward_of_a_function_applying_a_function(stack):
+    """jvp(jvp(F)) where F's jvp applies another Function (`nested`: found by the op-database
+    sweep of functx.jet, on torch's SelectAutogradFunction): the second derivative was zero
+    (off by 0.99 here), also under jacfwd(jacfwd) and grad(jvp(jvp)). The inner Function,
+    applied inside F's jvp where torch has forward AD off, had its outputs taken apart with
+    forward AD still off, and `_unpack_dual` gave no tangent. The fuzzer had no Function whose
+    derivatives apply a Function (now the `nested` family)."""
+    transforms = [T(name, argnums=0, seed=i) if name != "jvp" else T(name, seed=i) for i, name in enumerate(stack)]
+    check(Case(FUNCTION_SIN("nested"), transforms))
