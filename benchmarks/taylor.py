@@ -9,12 +9,14 @@ its thread flags). Contenders alternate in
 one process; ratios are paired medians against functx.laplacian. `--memory` measures each
 contender's peak resident memory in a fresh process instead (peak RSS during one call minus
 the RSS before it). `--train` times one PINN training step (Poisson residual loss through
-the Laplacian, and its gradient in the weights) instead.
+the Laplacian, and its gradient in the weights) instead; `--transformer` the Laplacian of a
+small (one-layer) transformer in its input, against the Hessian traces.
 
     python benchmarks/taylor.py                    # D = 10, 50, 100, batch 64, 5 rounds
     python benchmarks/taylor.py --batch 256 --dims 50
     python benchmarks/taylor.py --memory --dims 50
     python benchmarks/taylor.py --train
+    python benchmarks/taylor.py --transformer --dims 16 64 --batch 16
 """
 
 from __future__ import annotations
@@ -56,6 +58,40 @@ def mlp(weights, biases, x):
         if i < len(weights) - 1:
             h = torch.tanh(h)
     return h.squeeze(-1)
+
+
+def make_transformer(dim: int, width: int = 64, seed: int = 0):
+    """A one-layer pre-LN transformer over the input read as dim // 8 tokens of 8 features
+    (attention with 4 heads, an MLP of 4x width), summed to a scalar: a small transformer's
+    Laplacian in its input."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / shape[0] ** 0.5
+
+    params = dict(embed=w(8, width), qkv=w(width, 3 * width), out=w(width, width), up=w(width, 4 * width),
+                  down=w(4 * width, width), head=w(width, 1))
+
+    def f(x):
+        tokens = x.reshape(dim // 8, 8) @ params["embed"]
+        h = torch.nn.functional.layer_norm(tokens, (width,))
+        q, k, v = (h @ params["qkv"]).reshape(-1, 3, 4, width // 4).permute(1, 2, 0, 3)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        tokens = tokens + attended.permute(1, 0, 2).reshape(-1, width) @ params["out"]
+        h = torch.nn.functional.layer_norm(tokens, (width,))
+        tokens = tokens + torch.nn.functional.gelu(h @ params["up"]) @ params["down"]
+        return (tokens @ params["head"]).sum()
+
+    return f
+
+
+def transformer_contenders(dim: int, points: torch.Tensor) -> dict:
+    f = make_transformer(dim)
+    return {
+        "functx.laplacian": lambda: functx.vmap(functx.laplacian(f))(points),
+        "torch.func hessian trace": lambda: torch.func.vmap(lambda x: torch.func.hessian(f)(x).diagonal().sum())(points),
+        "functx hessian trace": lambda: functx.vmap(lambda x: functx.hessian(f)(x).diagonal().sum())(points),
+    }
 
 
 def torch_contenders(dim: int, points: torch.Tensor, jit: bool = True) -> dict:
@@ -154,6 +190,23 @@ def speed(dims, batch, rounds):
         print(flush=True)
 
 
+def transformer_speed(dims, batch, rounds):
+    print(f"Laplacian of a one-layer transformer (D // 8 tokens of 8 features, width 64, 4 heads), batch {batch}")
+    print()
+    for dim in dims:
+        points = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+        contenders = transformer_contenders(dim, points)
+        worst = check_agreement(contenders)
+        timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=1)
+        print(f"D = {dim} (largest relative difference between contenders: {worst:.1e})")
+        print()
+        print("| contender | median ms | functx.laplacian / it (paired) |")
+        print("|---|---|---|")
+        for name in contenders:
+            print(f"| {name} | {timings.median(name) * 1e3:.1f} | {timings.paired_ratio('functx.laplacian', name):.2f}x |")
+        print(flush=True)
+
+
 def _rss_kib() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
@@ -234,6 +287,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--train", action="store_true")
+    parser.add_argument("--transformer", action="store_true")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -247,6 +301,8 @@ def main():
     print()
     if args.memory:
         memory(args.dims, args.batch)
+    elif args.transformer:
+        transformer_speed(args.dims, args.batch, args.rounds)
     elif args.train:
         train(args.dims[0] if len(args.dims) == 1 else 50, args.batch, args.rounds)
     else:

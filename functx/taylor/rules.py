@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import series as S
+from ..core.rules import overloads
 from .fallback import nested_forward_fallback
 from .level import JET_RULES
 
@@ -65,13 +66,13 @@ def _primal(level, x):
     return x._value if level.is_jet(x) else x
 
 
-def linear_in(*positions, names=()):
-    """The rule of an op linear in its arguments at `positions` (and keywords `names`)."""
+def linear_in(op, *positions, names=()):
+    """The rule of `op`, linear in its arguments at `positions` (and keywords `names`)."""
 
     def rule(level, *args, **kwargs):
         primal_args = [_primal(level, a) for a in args]
         primal_kwargs = {key: _primal(level, v) for key, v in kwargs.items()}
-        out0 = rule.op(*primal_args, **primal_kwargs)
+        out0 = op(*primal_args, **primal_kwargs)
         coefficients = []
         for k in range(1, level.order + 1):
             at_k = {i: _at(level, args[i], k) for i in positions if i < len(args)}
@@ -85,35 +86,20 @@ def linear_in(*positions, names=()):
             call_kwargs = dict(primal_kwargs)
             for key, c in at_k_kw.items():
                 call_kwargs[key] = _zero_like(primal_kwargs[key]) if c is None else c
-            coefficients.append(rule.op(*call_args, **call_kwargs))
+            coefficients.append(op(*call_args, **call_kwargs))
         return _wrap_out(level, out0, coefficients)
 
     return rule
 
 
 def _register_linear(ops, *positions, names=()):
-    for op in ops:
-        rule = linear_in(*positions, names=names)
-        rule.op = op
-        JET_RULES.set(op, rule)
-
-
-def _overloads(*packets):
-    out = []
-    for packet in packets:
-        for name in packet.overloads():
-            out.append(getattr(packet, name))
-    return out
+    for op in overloads(*ops):
+        JET_RULES.set(op, linear_in(op, *positions, names=names))
 
 
 # -- linear in the first argument: views, copies, reductions, indexing -------------------------
-def _first_only(*packets):
-    """Overloads of `packets` whose first argument is the only one the result is linear in."""
-    return _overloads(*packets)
-
-
 _register_linear(
-    _first_only(
+    (
         aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
         aten.unsqueeze, aten.squeeze, aten.select, aten.slice, aten.narrow, aten.diagonal, aten.unfold,
         aten.as_strided, aten.alias, aten.clone, aten._to_copy, aten.lift_fresh, aten.flip, aten.roll,
@@ -163,14 +149,14 @@ def _sum_rule(sign):
 
 JET_RULES.set(aten.add.Tensor, _sum_rule(1))
 JET_RULES.set(aten.sub.Tensor, _sum_rule(-1))
-_register_linear(_overloads(aten.cat, aten.stack, aten.hstack, aten.vstack), 0)
-_register_linear(_overloads(aten.where), 1, 2)
+_register_linear((aten.cat, aten.stack, aten.hstack, aten.vstack), 0)
+_register_linear((aten.where,), 1, 2)
 _register_linear([aten.copy.default], 1)
-_register_linear(_overloads(aten.index_put), 0, 2)
+_register_linear((aten.index_put,), 0, 2)
 _register_linear([aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.index_add.default,
                   aten.index_copy.default], 0, 3)
 _register_linear([aten.masked_scatter.default], 0, 2)
-_register_linear(_overloads(aten.select_scatter, aten.slice_scatter, aten.diagonal_scatter, aten.as_strided_scatter), 0, 1)
+_register_linear((aten.select_scatter, aten.slice_scatter, aten.diagonal_scatter, aten.as_strided_scatter), 0, 1)
 
 
 # -- bilinear: Cauchy products --------------------------------------------------------------------
@@ -254,7 +240,7 @@ def _on_primals(op):
     return rule
 
 
-for _op in _overloads(
+for _op in overloads(
     aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.argmax, aten.argmin, aten.isnan, aten.isinf,
     aten.isfinite, aten.isneginf, aten.isposinf, aten.logical_not, aten.logical_and, aten.logical_or,
     aten.logical_xor, aten.sign, aten.sgn, aten.floor, aten.ceil, aten.round, aten.trunc, aten.heaviside,

@@ -216,3 +216,13 @@ def test_random_programs_collapsed_equals_autograd(program, seed, operator):
         expected = _bilaplacian_reference(f, x)
         got = functx.bilaplacian(f)(x)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-9 * (1 + expected.abs().item()))
+
+
+def test_under_functx_jit():
+    """functx.jit traces the collapsed Laplacian (and replays it) with the eager values."""
+    params, points = _mlp_params(3), torch.randn(4, 3, dtype=D)
+    f = lambda x: mlp(params, x)  # noqa: E731
+    eager = functx.vmap(functx.laplacian(f))(points)
+    jitted = functx.jit(functx.vmap(functx.laplacian(f)))
+    torch.testing.assert_close(jitted(points), eager)
+    torch.testing.assert_close(jitted(points + 1), functx.vmap(functx.laplacian(f))(points + 1))  # replayed
