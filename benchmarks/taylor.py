@@ -172,39 +172,36 @@ def check_agreement(contenders: dict) -> float:
     return worst
 
 
+def _timed_table(contenders, reference, rounds, warmup_calls):
+    """Time `contenders` alternately and print each one's median and the paired ratio of
+    `reference`'s time to its own."""
+    timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=warmup_calls)
+    print(f"| contender | median ms | {reference} / it (paired) |")
+    print("|---|---|---|")
+    for name in contenders:
+        print(f"| {name} | {timings.median(name) * 1e3:.1f} | {timings.paired_ratio(reference, name):.2f}x |")
+    print(flush=True)
+
+
+def _per_dimension(dims, batch, rounds, make, warmup_calls):
+    for dim in dims:
+        points = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+        contenders = make(dim, points)
+        print(f"D = {dim} (largest relative difference between contenders: {check_agreement(contenders):.1e})")
+        print()
+        _timed_table(contenders, "functx.laplacian", rounds, warmup_calls)
+
+
 def speed(dims, batch, rounds):
     print(f"Laplacian of a tanh MLP D -> {' -> '.join(map(str, WIDTHS))} -> 1, batch {batch}, float32, 1 thread")
     print()
-    for dim in dims:
-        points = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
-        contenders = {**torch_contenders(dim, points), **jax_contenders(dim, points)}
-        worst = check_agreement(contenders)
-        timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=2)
-        print(f"D = {dim} (largest relative difference between contenders: {worst:.1e})")
-        print()
-        print("| contender | median ms | functx.laplacian / it (paired) |")
-        print("|---|---|---|")
-        for name in contenders:
-            ratio = timings.paired_ratio("functx.laplacian", name)
-            print(f"| {name} | {timings.median(name) * 1e3:.1f} | {ratio:.2f}x |")
-        print(flush=True)
+    _per_dimension(dims, batch, rounds, lambda dim, points: {**torch_contenders(dim, points), **jax_contenders(dim, points)}, 2)
 
 
 def transformer_speed(dims, batch, rounds):
     print(f"Laplacian of a one-layer transformer (D // 8 tokens of 8 features, width 64, 4 heads), batch {batch}")
     print()
-    for dim in dims:
-        points = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
-        contenders = transformer_contenders(dim, points)
-        worst = check_agreement(contenders)
-        timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=1)
-        print(f"D = {dim} (largest relative difference between contenders: {worst:.1e})")
-        print()
-        print("| contender | median ms | functx.laplacian / it (paired) |")
-        print("|---|---|---|")
-        for name in contenders:
-            print(f"| {name} | {timings.median(name) * 1e3:.1f} | {timings.paired_ratio('functx.laplacian', name):.2f}x |")
-        print(flush=True)
+    _per_dimension(dims, batch, rounds, transformer_contenders, 1)
 
 
 def _rss_kib() -> int:
@@ -271,13 +268,9 @@ def train(dim, batch, rounds):
         "torch.func hessian + torch.autograd": lambda: torch.autograd.grad(loss_torch_func(leaves), leaves, allow_unused=True),
         "functx.grad(functx.laplacian)": lambda: functx.grad(loss_functx)(params),
     }
-    timings = interleaved(contenders, rounds=rounds, block_seconds=0.0, warmup_calls=1)
     print(f"PINN training step (loss and its gradient in the weights), D = {dim}, batch {batch}")
     print()
-    print("| contender | median ms | functx / it (paired) |")
-    print("|---|---|---|")
-    for name in contenders:
-        print(f"| {name} | {timings.median(name) * 1e3:.1f} | {timings.paired_ratio('functx.laplacian + torch.autograd', name):.2f}x |")
+    _timed_table(contenders, "functx.laplacian + torch.autograd", rounds, 1)
 
 
 def main():

@@ -63,8 +63,6 @@ def _collapsed_taylor(func, args, argnums, directions, weights, order):
                 primal, coefficients = level.unwrap(out)
                 first = torch.zeros_like(primal) if coefficients[0] is None else coefficients[0]
                 top = torch.zeros_like(primal) if coefficients[-1] is None else coefficients[-1]
-                if order == 1:
-                    top = collapse.summed(first)
                 return primal, first, top
 
     value, first, top = vmap(along, out_dims=(None, 0, None))(directions)

@@ -165,15 +165,8 @@ def _bilinear(level, a, b, product):
     return S.product(sa, sb, product)
 
 
-def _with_linear(level, result, term, scale=1):
-    """`result` (a series) plus `scale` times the series of `term` (a bias)."""
-    st = level.series_of(term)
-    return [S.add_terms([r, S.scaled(t, scale) if scale != 1 else t]) for r, t in zip(result, st)]
-
-
-def _product_rule(product, reduce_batch=False):
-    """`product(a, b)` bilinear (mul, mm, bmm, mv, dot, outer); `reduce_batch`: addbmm's sum
-    over the batch of products."""
+def _product_rule(product):
+    """`product(a, b)`, bilinear (mul, mm, bmm, mv, dot, outer): the Cauchy product."""
 
     def rule(level, a, b):
         return level.wrap_series(_bilinear(level, a, b, product))

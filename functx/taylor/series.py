@@ -213,10 +213,6 @@ def sigmoid(x: Sequence) -> list:
     return integral_of_self(torch.sigmoid(x[0]), x, g)
 
 
-def constant(value: torch.Tensor, k: int) -> list:
-    return [value] + [None] * k
-
-
 def affine(x: Sequence, scale: float = 1.0, shift: float = 0.0) -> list:
     """`scale * x(t) + shift`."""
     return [x[0] * scale + shift] + [scaled(c, scale) for c in x[1:]]

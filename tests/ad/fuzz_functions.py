@@ -31,6 +31,8 @@ order of derivative goes through them.
 import numpy as np
 import torch
 
+from tests.autograd_functions import Mul
+
 
 def reference(x, y):
     return x * y + torch.sin(x)
@@ -139,19 +141,9 @@ class NoJvpFn(_Saving):
         return _backward(*ctx.saved_tensors, g)
 
 
-class _Product(torch.autograd.Function):
-    """a * b (b broadcasting to a), whose derivatives apply it again."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(a, b):
-        return a * b
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
+class _Product(Mul):
+    """a * b (b broadcasting to a), whose derivatives apply it again (forward, context and
+    vmap rule: tests/autograd_functions.Mul's)."""
 
     @staticmethod
     def backward(ctx, g):

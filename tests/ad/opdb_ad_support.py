@@ -238,6 +238,22 @@ def cases(op, max_samples=MAX_SAMPLES):
     return found
 
 
+def float64_cases(op, max_samples):
+    """The op's first samples, for a reference by finite differences: `pytest.skip` where it
+    has none (not applicable, sparse) or they are not float64 (differences too coarse)."""
+    import pytest
+
+    try:
+        found = cases(op, max_samples=max_samples)
+    except NotApplicable as e:
+        pytest.skip(f"not applicable: {e}")
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    if any(case.dtype != torch.float64 for case in found):
+        pytest.skip("no float64 samples: differences too coarse")
+    return found
+
+
 # -- references ----------------------------------------------------------------------------
 def _random_like(tensors, seed):
     g = torch.Generator().manual_seed(seed)

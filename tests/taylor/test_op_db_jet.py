@@ -121,16 +121,8 @@ def _reference(case, primals, series, k):
 
 @pytest.mark.parametrize("op", list(_params()))
 def test_jet_matches_finite_differences(op):
-    try:
-        cases = support.cases(op, max_samples=SAMPLES)
-    except support.NotApplicable as e:
-        pytest.skip(f"not applicable: {e}")
-    except NotImplementedError as e:
-        pytest.skip(str(e))
     checked = 0
-    for case in cases:
-        if case.dtype != torch.float64:
-            pytest.skip("no float64 samples: differences too coarse")
+    for case in support.float64_cases(op, SAMPLES):
         primals = case.primals
         if any(p.is_complex() for p in primals):
             pytest.skip("complex inputs: jet's series are real here")

@@ -226,3 +226,33 @@ def test_under_functx_jit():
     jitted = functx.jit(functx.vmap(functx.laplacian(f)))
     torch.testing.assert_close(jitted(points), eager)
     torch.testing.assert_close(jitted(points + 1), functx.vmap(functx.laplacian(f))(points + 1))  # replayed
+
+
+def _laplacian_with_graph(f, x):
+    x = x if x.requires_grad else x.detach().requires_grad_()
+    return torch.diagonal(torch.autograd.functional.hessian(f, x, create_graph=True)).sum()
+
+
+@pytest.mark.parametrize(
+    "transform, order",
+    [
+        (functx.jacfwd, 1),
+        (functx.jacrev, 1),
+        (functx.grad, 1),
+        (functx.hessian, 2),
+        (lambda g: functx.jacfwd(functx.jacrev(g)), 2),
+        (lambda g: functx.jacrev(functx.jacfwd(g)), 2),
+    ],
+)
+def test_transforms_of_the_laplacian(transform, order):
+    """Forward and reverse derivatives of the Laplacian in its point (third and fourth
+    derivatives of f), against torch.autograd of the Hessian trace built with create_graph."""
+    params, x = _mlp_params(3), torch.randn(3, dtype=D)
+    f = lambda x: mlp(params, x)  # noqa: E731
+    got = transform(functx.laplacian(f))(x)
+    if order == 1:
+        xr = x.clone().requires_grad_()
+        expected = torch.autograd.grad(_laplacian_with_graph(f, xr), xr)[0]
+    else:
+        expected = torch.autograd.functional.hessian(lambda x: _laplacian_with_graph(f, x), x)
+    torch.testing.assert_close(got, expected)
