@@ -40,14 +40,18 @@ from .wrapped_forward import NO_FORWARD_FORMULA, WrappedJvpLevel
 _JVP = "jvp(f, primals, tangents)"
 
 
-def _tangent_map(vjp_fn, flat_out, out_spec, backward_of=None):
+def _tangent_map(vjp_fn, flat_out, out_spec, backward_of=None, library_op=None):
     """jvp_fn(flat_tangents) -> flat output tangents, by differentiating vjp_fn. `backward_of`
     (a Function's name): vjp_fn is that Function's backward, which may have no derivative in
     torch ops (NumPy or an extension's kernel inside, a detached cotangent): the tangents
-    would come out 0, a wrong value, so they are checked (`_check_identity`)."""
+    would come out 0, a wrong value, so they are checked (`_check_identity`). `library_op`:
+    vjp_fn is that torch.library operator's backward, whose gradients must depend on the
+    cotangent (`_check_gradient_given`)."""
 
     def pairing(cotangent, flat_tangents, create_graph=True):
         grads = pytree.tree_leaves(vjp_fn(pytree.tree_unflatten(out_spec, list(cotangent)), create_graph=create_graph))
+        if library_op is not None and create_graph:
+            _check_gradient_given(library_op, grads, flat_tangents)
         total = 0
         for g, t in zip(grads, flat_tangents):
             if t.is_inference():  # made under torch.inference_mode(): cannot be saved for backward
@@ -82,6 +86,32 @@ def _check_identity(paired, tangents, name):
             f"cotangent), so the double-VJP identity, functx's forward derivative of a Function "
             f"without jvp, cannot go through it: define `jvp(ctx, *tangents)` on {name}."
         )
+
+
+_NO_GRADIENT_GIVEN = "gives no gradient for differentiated argument"
+
+
+def _check_gradient_given(op, grads, flat_tangents):
+    """An operator's backward that gives an input carrying a nonzero tangent no gradient
+    (None, or one that does not depend on the cotangent) gives the identity no derivative to
+    differentiate: the tangent would come out 0. It may be that the derivative is 0, or that
+    the operator skipped it because its caller passed a flag from `requires_grad`, which is
+    False for a tensor at a forward-mode level (torch.func's rule; `F.linear_cross_entropy`
+    did: ad/torch_nn_rules.py). Raised as torch's no-forward-formula error: `functx.jvp` then
+    computes the whole function by reverse mode (its caller sees `requires_grad=True`); where
+    nothing can (`functx.jet`), the user reads this."""
+    cotangent_level = top_interpreter()
+    for position, (g, t) in enumerate(zip(grads, flat_tangents)):
+        if not cotangent_level.depends(g) and any_sample((t != 0).any()):
+            raise NotImplementedError(
+                f"{NO_FORWARD_FORMULA} {op} that does not support it, and its backward "
+                f"(register_autograd) {_NO_GRADIENT_GIVEN} {position}, "
+                f"which carries a nonzero tangent: functx cannot tell a zero derivative from one "
+                f"the operator skipped (a flag its caller set from `requires_grad`, which is False "
+                f"at a forward-mode level, as in torch.func). Give the operator a forward rule "
+                f"(`torch.library.register_autograd` has none; functx.ad.library_ops."
+                f"register_forward_rule does), or differentiate it in reverse mode."
+            )
 
 
 def _check_primals_tangents(primals, tangents, api):
@@ -178,12 +208,12 @@ def _jvp_at(level, func, flat_primals, primals_spec, flat_tangents, has_aux, api
     return [p for p, _ in pairs], [t for _, t in pairs], out_spec, aux
 
 
-def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api, backward_of=None):
+def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api, backward_of=None, library_op=None):
     """The same as `_forward_jvp`, by the double-VJP identity (reverse mode only)."""
     with differentiating_the_backward():
         output, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, api)
     flat_out, out_spec = pytree.tree_flatten(output)
-    tangents = _tangent_map(vjp_fn, flat_out, out_spec, backward_of)(flat_tangents)
+    tangents = _tangent_map(vjp_fn, flat_out, out_spec, backward_of, library_op)(flat_tangents)
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
 
@@ -277,8 +307,9 @@ def jvp_by_double_vjp(op, primals, tangents, kwargs, error, backward_of=None):
             args[i] = v
         return op(*args, **kwargs)
 
+    library_op = op if backward_of is None and getattr(op, "namespace", "aten") != "aten" else None
     flat_out, flat_tangents, out_spec, _ = _double_vjp_jvp(
-        of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP, backward_of
+        of_differentiated, tuple(primals[i] for i in index), [tangents[i] for i in index], False, _JVP, backward_of, library_op
     )
     missing = object()  # an output with no tangent (None is not a pytree leaf)
     tangents = pytree.tree_unflatten(out_spec, [missing if t is None else t for t in flat_tangents])
@@ -318,6 +349,23 @@ _NUMPY_ON_A_LEVEL = ".numpy() is not supported for tensor subclasses"
 
 
 custom_function.function_jvp_without_formula = function_jvp_by_double_vjp
+
+
+def jvp_op_by_op(func, primal, tangent):
+    """The tangent of `func(primal)` (a tuple of tensors) along `tangent` by each op's own
+    derivative, never by running `func` again as a whole under reverse mode (`jvp`'s last
+    resort, which lets the function's code see `requires_grad=True`): for a function that
+    is one op with fixed arguments (functx.jet's fallback), where that could only repeat
+    the op's own answer."""
+    try:
+        flat_out, flat_tangents, _, _ = _forward_jvp(func, (primal,), [tangent], False, _JVP, JVP)
+    except NotImplementedError as error:
+        if NO_FORWARD_FORMULA not in str(error) or _NO_GRADIENT_GIVEN in str(error):
+            raise
+        # an op the wrapped level does not take the identity for alone (keyword arguments:
+        # index_reduce's include_self): the identity over `func`, which is that op
+        flat_out, flat_tangents, _, _ = _double_vjp_jvp(func, (primal,), [tangent], False, _JVP)
+    return tuple(torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents))
 
 
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):

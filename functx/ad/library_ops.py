@@ -104,15 +104,15 @@ def forward_aware(op: torch._ops.OpOverload, kernel: Callable) -> Callable:
     """`kernel` (an autograd kernel taking the dispatch keyset first) that never drops a
     tangent, and runs `op`'s reverse decomposition where one is registered and applies."""
 
-    reverse = _REVERSE_DECOMPOSITIONS.get(op)
-    # an ATen operator wrapped for its reverse rule only keeps torch's forward formula
-    own_forward_formula = reverse is not None and op not in _FORWARD_RULES and op not in _FORWARD_DECOMPOSITIONS
-
     def autograd_kernel(keyset, *args, **kwargs):
+        # (looked up per call: an operator made after functx, torch.nn's included, is wrapped
+        # when made, before its module can register a rule for it)
+        reverse = _REVERSE_DECOMPOSITIONS.get(op)
         if reverse is not None:
             if reverse[0](*args, **kwargs):
                 return reverse[1](*args, **kwargs)
-            if own_forward_formula:
+            # an ATen operator wrapped for its reverse rule only keeps torch's forward formula
+            if op.namespace == "aten" and op not in _FORWARD_RULES and op not in _FORWARD_DECOMPOSITIONS:
                 return kernel(keyset, *args, **kwargs)
         # no dual level open (torch's and functx's forward transforms open one through
         # forward_ad, which records it): no tangent can be here; a plain call pays ~0.1 µs

@@ -181,7 +181,7 @@ class FunctionalizeInterpreter(Interpreter):
         if writes is None:
             if is_view(op) and type(args[0]) is FunctionalizedTensor:
                 return self._wrap_views(op, args, kwargs, out)
-            if not self.reapply_views and _relaid_in(args, kwargs):
+            if _relaid_in(args, kwargs):
                 return self._wrap_laid_out(out, _on_meta(op, args, kwargs))
             return self._wrap_all(out)
         if is_inplace_view(op):  # transpose_, squeeze_, as_strided_ ...: the wrapper's own shape changes
@@ -213,7 +213,8 @@ class FunctionalizeInterpreter(Interpreter):
         of other ops on such tensors (`_relaid_in`), as a transposed view's `* 2` keeps its
         strides in plain torch (torch.func reports the copies' layouts instead)."""
         root = args[0] if args[0]._root is None else args[0]._root
-        wrapped = self._wrap_laid_out(out, None if self.reapply_views else _on_meta(op, args, kwargs))
+        as_values = self.reapply_views and not _laid_unlike_value(args[0])
+        wrapped = self._wrap_laid_out(out, None if as_values else _on_meta(op, args, kwargs))
         for w in wrapped if type(wrapped) is tuple or type(wrapped) is list else (wrapped,):
             if type(w) is FunctionalizedTensor:
                 w._root = root
@@ -291,12 +292,21 @@ def _relaid_in(args, kwargs) -> bool:
     """Whether a tensor among the arguments is laid out unlike its value (`_wrap_views`)."""
     for group in (args, kwargs.values()):
         for a in group:
-            if type(a) is FunctionalizedTensor and a._relaid:
+            if type(a) is FunctionalizedTensor and _laid_unlike_value(a):
                 return True
             if type(a) is list or type(a) is tuple:
-                if any(type(e) is FunctionalizedTensor and e._relaid for e in a):
+                if any(type(e) is FunctionalizedTensor and _laid_unlike_value(e) for e in a):
                     return True
     return False
+
+
+def _laid_unlike_value(x) -> bool:
+    """Whether `x` is laid out unlike its value: relaid views (`_wrap_views`), or a tensor
+    whose value torch's functionalization regenerated with another layout after a write
+    through a view (under vmap the regenerated base of a buffer written with batched values
+    is batched, and was laid out as the view written through: a later transpose of it
+    reported itself contiguous)."""
+    return x._relaid or x.stride() != x._value.stride() or x.storage_offset() != x._value.storage_offset()
 
 
 def _on_meta(op, args, kwargs):

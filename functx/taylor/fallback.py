@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from ..ad.forward import jvp
+from ..ad.forward import jvp_op_by_op
 from ..core.errors import PerformanceWarning, op_name, user_stacklevel
 
 
@@ -83,7 +83,7 @@ def taylor_by_nested_jvp(level, call, args, kwargs):
 
 
 def _derivative_of(function, one):
-    return lambda t: jvp(function, (t,), (one,))[1]
+    return lambda t: jvp_op_by_op(function, t, one)
 
 
 def _flat(args, kwargs):

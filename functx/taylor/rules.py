@@ -22,6 +22,7 @@ import math
 import torch
 
 from . import series as S
+from ..ad import torch_nn_rules
 from ..core.rules import overloads
 from .fallback import nested_forward_fallback
 from .level import JET_RULES
@@ -541,5 +542,20 @@ for _op in (
     JET_RULES.set(_op, nested_forward_fallback(_op))
 
 
-for _rule in (_var, _std, _var_mean, _std_mean):
+# torch.nn's chunked cross-entropy operators: their reverse-only autograd has no series; the
+# loss as cross_entropy(linear(x)) on the jets (ad/torch_nn_rules.py)
+def _chunked_cross_entropy(level, *args):
+    return torch_nn_rules._cross_entropy_of_linear(*args)
+
+
+def _chunked_cross_entropy_per_sample(level, *args):
+    return torch_nn_rules._cross_entropy_of_linear_per_sample(*args)
+
+
+if torch_nn_rules._CHUNKED is not None:
+    JET_RULES.set(torch_nn_rules._CHUNKED, _chunked_cross_entropy)
+    JET_RULES.set(torch_nn_rules._CHUNKED_PER_SAMPLE, _chunked_cross_entropy_per_sample)
+
+
+for _rule in (_var, _std, _var_mean, _std_mean, _chunked_cross_entropy, _chunked_cross_entropy_per_sample):
     _rule.on_jets = True  # written with ops on the level's tensors

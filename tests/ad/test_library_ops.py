@@ -71,8 +71,43 @@ def no_autograd(x: torch.Tensor) -> torch.Tensor:
 no_autograd.register_fake(lambda x: torch.empty_like(x))
 
 
+@torch.library.custom_op("functx_tests_library_ops::cube_if_asked", mutates_args=())
+def cube_if_asked(x: torch.Tensor, compute_grad: bool) -> torch.Tensor:
+    return torch.from_numpy(x.detach().numpy() ** 3)
+
+
+cube_if_asked.register_fake(lambda x, compute_grad: torch.empty_like(x))
+
+
+def _cube_setup(ctx, inputs, output):
+    x, ctx.compute_grad = inputs
+    ctx.save_for_backward(x)
+
+
+def _cube_backward(ctx, g):
+    # the gradient only where the caller asked for it, as F.linear_cross_entropy's chunked op
+    (x,) = ctx.saved_tensors
+    return (g * 3 * x**2 if ctx.compute_grad else None), None
+
+
+cube_if_asked.register_autograd(_cube_backward, setup_context=_cube_setup)
+
+
+def cube(x):
+    """The caller decides from `requires_grad`, which is False at a forward-mode level."""
+    return cube_if_asked(x, x.requires_grad and torch.is_grad_enabled())
+
+
 def f(v):
     return numpy_sin(v * 2) * numpy_exp(v)
+
+
+def f_asking(v):
+    return cube(numpy_sin(v * 2))
+
+
+def f_asking_plain(v):
+    return torch.sin(v * 2) ** 3
 
 
 def f_plain(v):
@@ -83,6 +118,7 @@ X = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
 T = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
 TRANSFORMS = {
     "jvp": lambda g, x: functx.jvp(g, (x,), (T,))[1],
+    "jvp, primal tracked by the caller": lambda g, x: functx.jvp(g, (x.clone().requires_grad_(),), (T,))[1].detach(),
     "jacfwd": lambda g, x: functx.jacfwd(g)(x),
     "vmap(jvp), shared primal": lambda g, x: functx.vmap(lambda t: functx.jvp(g, (x,), (t,))[1])(torch.eye(3, dtype=x.dtype)),
     "vmap(jvp)": lambda g, x: functx.vmap(lambda p: functx.jvp(g, (p,), (T,))[1])(torch.stack([x, x * 0.5])),
@@ -103,11 +139,26 @@ def _quiet_double_vjp():
 
 
 @pytest.mark.parametrize("name", TRANSFORMS)
-def test_forward_transforms_through_a_custom_op_with_reverse_mode_only(name):
-    got = TRANSFORMS[name](f, X)
-    expected = TRANSFORMS[name](f_plain, X)  # the same math in torch ops, which torch differentiates
+@pytest.mark.parametrize("functions", [(f, f_plain), (f_asking, f_asking_plain)], ids=["reverse_only", "gradient_if_asked"])
+def test_forward_transforms_through_a_custom_op_with_reverse_mode_only(name, functions):
+    """`gradient_if_asked`: an op whose backward gives a gradient only where its caller saw
+    `requires_grad`; at a jvp level on wrappers (a tracked primal, an outer level), the
+    identity on the op alone had no gradient to differentiate and gave 0."""
+    function, plain = functions
+    got = TRANSFORMS[name](function, X)
+    expected = TRANSFORMS[name](plain, X)  # the same math in torch ops, which torch differentiates
     torch.testing.assert_close(got, expected)
     assert got.abs().max() > 0.1  # was 0 before
+
+
+def test_jet_refuses_an_op_that_gives_no_gradient_where_its_caller_saw_no_requires_grad():
+    """functx.jet sees the op alone (its fallback cannot run the caller again under reverse
+    mode, as jvp does): a clear error, never the zero the identity would give."""
+    with pytest.raises(NotImplementedError, match="gives no gradient for differentiated argument 0"):
+        functx.jet(f_asking, (X,), ((T, T),))
+    # an argument whose tangent is zero needs no gradient
+    primal, series = functx.jet(lambda v, w: cube(w) + v, (X, X), ((T,), (torch.zeros_like(T),)))
+    torch.testing.assert_close(series[0], T)
 
 
 def test_jvp_against_finite_differences_and_torch_funcs_refusal():
@@ -167,7 +218,7 @@ def test_a_custom_op_defined_before_functx_is_imported():
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-OPS = {"sin": (numpy_sin, torch.sin), "exp": (numpy_exp, torch.exp)}
+OPS = {"sin": (numpy_sin, torch.sin), "exp": (numpy_exp, torch.exp), "cube if asked": (cube, lambda v: v**3)}
 
 
 @settings(max_examples=25, deadline=None)

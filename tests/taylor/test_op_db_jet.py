@@ -71,10 +71,6 @@ KNOWN_FAILURES: dict[str, str] = {
         "second order off through the nested-jvp fallback (torch's forward formula differentiated "
         "again); no Taylor rule yet"
     ),
-    "nn.functional.linear_cross_entropy.chunked": (
-        "OPEN BUG: first order wrong through the nested-jvp fallback on this torch.library op "
-        "(functx.jvp of the same function is right); found by this sweep, to fix"
-    ),
     "nn.functional.rrelu": _INVALID_REFERENCE + "random slopes, drawn again by every call of the differences",
     "linalg.norm.subgradients_at_zero": _INVALID_REFERENCE + "the sample sits on the norm's kink at zero",
 }
