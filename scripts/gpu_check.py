@@ -7,7 +7,8 @@
 3. timings on the GPU, functx against torch.func in one process, alternating, medians and
    the median of paired ratios (CUDA synchronised after every call): DP-SGD steps
    (`functx.dp.clipped_grad` against vmap(grad) + clip) on benchmarks/dp_sgd.py's four
-   models, and per-sample gradients of an MLP; values checked against torch.func first;
+   models, per-sample gradients of an MLP, and the same compiled (functx.jit with inductor
+   against torch.compile of torch.func's); values checked against torch.func first;
 4. the test suite with CUDA as torch's default device (FUNCTX_TEST_DEVICE=cuda: every tensor a
    test makes without naming a device is on the GPU, references included), bounded by time;
 5. the same suite on the machine's CPU, to tell a CUDA failure from one of that machine's
@@ -166,6 +167,30 @@ def dp_row(dp_sgd, interleaved, name, rounds):
                  f"{t.paired_ratio('vmap functx', 'vmap torch.func'):.2f}"]  # fmt: skip
 
 
+def jit_row(mlp, params, x, y, interleaved, rounds):
+    """Per-sample gradients compiled: functx.jit (inductor) against torch.compile of
+    torch.func's, both warmed up (compiled) before timing, values checked first."""
+    import torch.func
+
+    import functx
+
+    def step(T):
+        def one(p, x_b, y_b):
+            return torch.nn.functional.cross_entropy(T.functional_call(mlp, p, (x_b[None],)), y_b[None])
+
+        return lambda p, x, y: T.vmap(T.grad(one), in_dims=(None, 0, 0))(p, x, y)
+
+    ours = functx.jit(step(functx), backend="inductor")
+    theirs = torch.compile(step(torch.func))
+    for key, value in theirs(params, x, y).items():
+        torch.testing.assert_close(ours(params, x, y)[key], value, rtol=1e-4, atol=1e-6)
+    t = interleaved({"functx.jit": synchronised(lambda: ours(params, x, y)),
+                     "torch.compile": synchronised(lambda: theirs(params, x, y))}, rounds=rounds, block_seconds=0.05)  # fmt: skip
+    return [f"per-sample grads compiled (functx.jit inductor / torch.compile), batch {len(x)}",
+            f"{t.median('functx.jit') * 1e3:.2f}", "", f"{t.median('torch.compile') * 1e3:.2f}", "",
+            f"{t.paired_ratio('functx.jit', 'torch.compile'):.2f}"]  # fmt: skip
+
+
 def timings(rounds: int) -> None:
     import dp_sgd
     import torch.func
@@ -198,6 +223,11 @@ def timings(rounds: int) -> None:
         t = interleaved({"functx": synchronised(ours), "torch.func": synchronised(theirs)}, rounds=rounds, block_seconds=0.05)
         rows.append([f"per-sample grads, MLP 784-512-256-10, batch {batch}", f"{t.median('functx') * 1e3:.2f}", "",
                      f"{t.median('torch.func') * 1e3:.2f}", "", f"{t.paired_ratio('functx', 'torch.func'):.2f}"])  # fmt: skip
+        if batch == 1024:
+            try:
+                rows.append(jit_row(mlp, params, x, y, interleaved, rounds))
+            except Exception as error:  # noqa: BLE001 (reported; the rest runs)
+                rows.append([f"jit vs torch.compile: FAILED, {type(error).__name__}: {str(error)[:200]}", "", "", "", "", ""])
     header = ["workload", "functx.dp / functx (ms)", "vmap functx (ms)", "vmap torch.func (ms)",
               "vmap torch.func / functx.dp", "functx / torch.func (paired)"]  # fmt: skip
     say(markdown_table(header, rows))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import re
 import sys
-import warnings
 
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
@@ -24,7 +23,7 @@ from ..core.torch_function import CallHandler
 from ..core import pytree
 from ..core.custom_function import in_function_body
 from ..core.control_flow import any_sample
-from ..core.errors import PerformanceWarning
+from ..core.errors import PerformanceWarning, user_facing, warn
 from ..core.interpreter import current_stack, functx_code, interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
@@ -217,12 +216,11 @@ def _double_vjp_jvp(func, primals, flat_tangents, has_aux, api, backward_of=None
     return flat_out, [None if independent else t for t, independent in zip(tangents, vjp_fn.independent_outputs)], out_spec, aux
 
 
-def _warn_no_forward_formula(error, stacklevel):
-    warnings.warn(
+def _warn_no_forward_formula(error):
+    warn(
         f"functx.jvp: {str(error).splitlines()[0]} Computing it by the double-VJP identity "
         "instead (two reverse passes; needs the op's double backward).",
         PerformanceWarning,
-        stacklevel=stacklevel,
     )
 
 
@@ -258,7 +256,7 @@ def _jvp_flat(func, primals, flat_tangents, has_aux, api, needs=JVP):
     except NotImplementedError as error:
         if NO_FORWARD_FORMULA not in str(error):
             raise
-        _warn_no_forward_formula(error, stacklevel=4)
+        _warn_no_forward_formula(error)
         regions = _ModeRegions()
 
         def watched(*args):
@@ -298,7 +296,7 @@ def _forward_level_outside() -> bool:
 def jvp_by_double_vjp(op, primals, tangents, kwargs, error, backward_of=None):
     """`(output, output tangents)` of one ATen op with no forward formula (called by a
     wrapped jvp level, one level down): the double-VJP identity on the op alone."""
-    _warn_no_forward_formula(error, stacklevel=2)
+    _warn_no_forward_formula(error)
     index = [i for i, t in enumerate(tangents) if t is not None]
 
     def of_differentiated(*values):
@@ -368,6 +366,7 @@ def jvp_op_by_op(func, primal, tangent):
     return tuple(torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangents))
 
 
+@user_facing
 def jvp(func, primals, tangents, *, strict=False, has_aux=False):
     """Evaluate `func(*primals)` and its Jacobian-vector product with `tangents`;
     returns `(output, jvp_out)` (and `aux` with has_aux=True).
@@ -397,6 +396,7 @@ def _jvp_call(func, primals, tangents, strict, has_aux):
     return (output, tangent_out, aux) if has_aux else (output, tangent_out)
 
 
+@user_facing
 def linearize(func, *primals):
     """Evaluate `func(*primals)` once and return `(output, jvp_fn)`; `jvp_fn(*tangents)`
     gives the Jacobian-vector product at `primals` without re-running the forward pass.
@@ -419,6 +419,7 @@ def _linearize_call(func, primals):
     flat_out, out_spec = pytree.tree_flatten(output)
     tangent_map = _tangent_map(vjp_fn, flat_out, out_spec)
 
+    @user_facing
     def jvp_fn(*tangents):
         flat_tangents = _check_primals_tangents(primals, tangents, api)
         return pytree.tree_unflatten(out_spec, tangent_map(flat_tangents))
@@ -441,6 +442,7 @@ def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=Non
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError("jacfwd: `chunk_size` should be greater than 0.")
 
+    @user_facing
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         return _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs)

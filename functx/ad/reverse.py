@@ -7,6 +7,7 @@ import functools
 import torch
 
 from ..core import pytree
+from ..core.errors import user_facing
 from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (
@@ -97,6 +98,7 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, needs=VJP):
     return result, vjp_fn, aux
 
 
+@user_facing
 def vjp(func, *primals, has_aux=False):
     """Run `func(*primals)` and return `(output, vjp_fn)` (and `aux` with has_aux=True):
     `vjp_fn(cotangents)` gives the vector-Jacobian product for every primal.
@@ -115,6 +117,7 @@ def _vjp_call(func, primals, has_aux):
     """`vjp(func, *primals, has_aux=...)`."""
     result, vjp_fn, aux = _vjp_with_argnums(func, primals, {}, None, has_aux, "vjp(f, *primals)")
 
+    @user_facing
     def wrapper(cotangents, retain_graph=True, create_graph=None):
         return vjp_fn(cotangents, retain_graph=retain_graph, create_graph=create_graph)
 
@@ -131,6 +134,7 @@ def grad_and_value(func, argnums=0, has_aux=False):
         >>> g.tolist(), v.item()
         ([2.0, 6.0], 10.0)
     """
+    @user_facing
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         return _grad_and_value_call(func, argnums, has_aux, args, kwargs)
@@ -202,6 +206,7 @@ def grad(func, argnums=0, has_aux=False):
     """
     gv = grad_and_value(func, argnums, has_aux)
 
+    @user_facing
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         gradient, value = gv(*args, **kwargs)
@@ -272,6 +277,7 @@ def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError("jacrev: `chunk_size` should be greater than 0.")
 
+    @user_facing
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         return _jacrev_call(func, argnums, has_aux, chunk_size, args, kwargs)

@@ -1,6 +1,11 @@
 """Errors and warnings that functx raises, in one place so messages stay consistent."""
 
 import os
+import warnings
+
+# Where functx's messages send users to report a missing rule or a bug (pyproject.toml's
+# [project.urls] Issues: tests/test_project.py keeps the two equal)
+ISSUES = "https://github.com/functx/functx/issues"
 
 
 class PerformanceWarning(UserWarning):
@@ -96,3 +101,72 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def warn(message: str, category: type = UserWarning) -> None:
+    """Issue a functx warning at the user's line (`user_stacklevel`), so that the warning
+    names the user's file and line, not functx's or torch's, and filters keyed on the user's
+    module apply.
+
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn("slow path", PerformanceWarning)
+        >>> caught[0].category.__name__, caught[0].filename.endswith("errors.py")
+        ('PerformanceWarning', False)
+    """
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+# -- tracebacks that end at the user's code ---------------------------------------------------
+SHOW_INTERNAL_FRAMES = "FUNCTX_SHOW_INTERNAL_FRAMES"  # =1: keep functx's and torch's frames
+
+
+def without_internal_frames(error: BaseException) -> BaseException:
+    """`error` with the frames of functx's and torch's files taken out of its traceback (the
+    user's own frames, the function a transform runs included, stay), unless the environment
+    sets FUNCTX_SHOW_INTERNAL_FRAMES=1 (for debugging functx itself). A transform's error then
+    reads as torch.func's and plain torch's do: the user's line, then the message."""
+    if os.environ.get(SHOW_INTERNAL_FRAMES, "") not in ("", "0"):
+        return error
+    internal = internal_dirs()
+    kept = []
+    tb = error.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(internal):
+            kept.append(tb)
+        tb = tb.tb_next
+    for earlier, later in zip(kept, kept[1:]):
+        earlier.tb_next = later
+    if kept:
+        kept[-1].tb_next = None
+    return error.with_traceback(kept[0] if kept else None)
+
+
+def user_facing(function):
+    """`function` (a public functx function, or the function a transform returns) raising
+    its errors with functx's and torch's frames hidden (`without_internal_frames`): what is
+    left above the message is the user's call and the user's own code it ran. One frame of
+    this wrapper stays (Python adds the frame that re-raises; pytest hides it).
+
+        >>> @user_facing
+        ... def checked(x):
+        ...     raise ValueError("x must be positive")
+        >>> try:
+        ...     checked(-1)
+        ... except ValueError as error:
+        ...     frames = [f.name for f in __import__("traceback").extract_tb(error.__traceback__)]
+        >>> frames  # the caller, the wrapper, and `checked` (the user's own code, so it stays)
+        ['<module>', 'call', 'checked']
+    """
+    import functools
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        __tracebackhide__ = True  # noqa: F841  (pytest: hide this frame too)
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            raise without_internal_frames(error)  # (the same object: its cause and context stay)
+
+    return call

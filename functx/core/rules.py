@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch._decomp
 
-from .errors import op_name
+from .errors import ISSUES, op_name
 from .level_tensor import refresh_views, replay_inplace_view
 from .op_facts import is_inplace_view
 
@@ -205,7 +205,7 @@ class RuleTable:
     def _missing(self, op):
         message = (
             f"functx.{self.transform}: there is no rule for {op_name(op)} and no "
-            f"decomposition of it in torch._decomp. Please file an issue naming this op."
+            f"decomposition of it in torch._decomp. Please file an issue naming this op: {ISSUES}"
         )
 
         def missing(interp, *args, **kwargs):

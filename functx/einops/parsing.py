@@ -20,8 +20,9 @@ Errors are ValueErrors worded as torch.func's (functorch.einops).
 from __future__ import annotations
 
 import keyword
-import warnings
 from collections.abc import Mapping
+
+from ..core.errors import warn
 
 ELLIPSIS = "\u2026"  # one character standing for "..." in a parsed side
 
@@ -47,9 +48,9 @@ def _check_name(name: str) -> None:
     if name.startswith("_") or name.endswith("_"):
         raise ValueError(f"Invalid axis identifier: {name}\naxis name should should not start or end with underscore")
     if keyword.iskeyword(name):
-        warnings.warn(f"It is discouraged to use axes names that are keywords: {name}", RuntimeWarning)
+        warn(f"It is discouraged to use axes names that are keywords: {name}", RuntimeWarning)
     if name == "axis":
-        warnings.warn(
+        warn(
             "It is discouraged to use 'axis' as an axis name and will raise an error in future",
             FutureWarning,
         )

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from ..core import pytree
+from ..core.errors import user_facing
 from ..core.interpreter import functx_code, interpreting
 from .level import FunctionalizeInterpreter, FunctionalizedTensor
 
@@ -64,6 +65,7 @@ def functionalize(func, *, remove="mutations"):
         )
     reapply_views = remove == "mutations"
 
+    @user_facing
     @functools.wraps(func)
     def functionalized(*args, **kwargs):
         return _functionalize_call(func, reapply_views, args, kwargs)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..core.container_kinds import in_use
+from ..core.errors import user_facing
 from ..core.containers import is_container
 from ..core.recompute import register_context
 from .per_thread import rnn_modules, substituted
@@ -28,6 +29,7 @@ from .per_thread import rnn_modules, substituted
 __all__ = ["functional_call"]
 
 
+@user_facing
 def functional_call(
     module: nn.Module,
     parameter_and_buffer_dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]],

@@ -74,12 +74,12 @@ import functools
 import os
 import time
 import types
-import warnings
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..core import pytree
+from ..core.errors import warn
 
 RETRACE_WARNING_AFTER = 4
 _modes_on_stack = torch._C._len_torch_dispatch_stack
@@ -363,11 +363,10 @@ class Jitted:
                 raise
             self._by_statics[statics] = _REFUSED
             reason = next(line for line in str(error).splitlines() if refused in line).strip()
-            warnings.warn(
+            warn(
                 f"functx.jit({self._name}): torch.compile refuses to trace this call ({reason[:300]}); "
                 f"it runs eagerly, untraced, for these arguments from now on.",
                 EagerFallbackWarning,
-                stacklevel=3,
             )
         return self.fn(*args, **kwargs)
 
@@ -428,12 +427,11 @@ class Jitted:
         compiled = self._backend(graph_module, example_inputs)
         self._compile_seconds = time.perf_counter() - start
         if self.traces == RETRACE_WARNING_AFTER:
-            warnings.warn(
+            warn(
                 f"functx.jit({self._name}) has traced {self.traces} graphs: its calls keep changing "
                 f"(shapes, dtypes, static arguments or Python values it branches on). Each trace costs a "
                 f"compile; pass dynamic=True for changing sizes, or pad the inputs to a few shapes.",
                 RetraceWarning,
-                stacklevel=4,
             )
         return compiled
 

@@ -7,12 +7,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..core import pytree
+from ..core.errors import user_facing
 from ..core.interpreter import functx_code, interpreting
 from . import rules  # noqa: F401  (fills JET_RULES)
 from .level import JetLevel
 from .series import to_derivatives, to_normalized
 
 
+@user_facing
 def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
     """Taylor-mode AD: the Taylor coefficients of `fun`'s output along a path through its input.
 

@@ -14,12 +14,11 @@ its backward, by the double-VJP identity) is the derivative its author defined.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from ..ad.forward import jvp_op_by_op
-from ..core.errors import PerformanceWarning, op_name, user_stacklevel
+from ..core.errors import ISSUES, PerformanceWarning, op_name, warn
 
 
 def nested_forward_fallback(op):
@@ -28,12 +27,11 @@ def nested_forward_fallback(op):
     def fallback(level, *args, **kwargs):
         if not warned:
             warned.append(True)
-            warnings.warn(
+            warn(
                 f"functx.jet: there is no Taylor rule for {op_name(op)}; its coefficients are "
                 f"computed by nested forward mode (about 2^k calls of the op for the k-th). "
-                f"Please file an issue naming this op.",
+                f"Please file an issue naming this op: {ISSUES}",
                 PerformanceWarning,
-                stacklevel=user_stacklevel(),
             )
         return taylor_by_nested_jvp(level, op, args, kwargs)
 

@@ -11,7 +11,7 @@ from ..core.containers import is_container
 from .containers import chunks_of, container_leaf, mapped_size
 from .interpreter import VmapInterpreter
 from ..core import config
-from ..core.errors import NeedsPerSampleValues
+from ..core.errors import NeedsPerSampleValues, user_facing
 from .nested import join_samples, map_per_sample, nested_batch_size, per_sample_reason, raise_written_before_fallback
 from .mapping import describe_leaf, flatten_in_dims, map_at_level, name_of, out_dims_per_leaf
 from .randomness import RANDOMNESS_MODES, check_randomness
@@ -41,6 +41,7 @@ def vmap(func, in_dims=0, out_dims=0, randomness="error", *, chunk_size=None):
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"vmap: chunk_size should be None or greater than 0. (got {chunk_size})")
 
+    @user_facing
     @functools.wraps(func)
     def vmapped(*args, **kwargs):
         return _vmap_call(func, in_dims, out_dims, randomness, chunk_size, args, kwargs)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import operator
 import sys
 import threading
-import warnings
 import weakref
 from typing import NamedTuple
 
@@ -45,7 +44,7 @@ import optree
 import torch
 
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, user_backward, with_forward
-from ..core.errors import PerformanceWarning
+from ..core.errors import PerformanceWarning, warn
 from .mapping import flatten_in_dims, map_at_level
 from .randomness import lowered
 
@@ -267,13 +266,12 @@ _warned = weakref.WeakSet()  # the Functions warned about (not kept alive by it)
 def _per_sample(level, function, args, kwargs):
     if function not in _warned:
         _warned.add(function)
-        warnings.warn(
+        warn(
             f"functx.vmap: {function.__name__} is an old-style autograd.Function (forward(ctx, ...) "
             f"without setup_context), so vmap runs it once per batch element, which is slow. Give "
             f"it a setup_context staticmethod (and a vmap staticmethod or generate_vmap_rule=True) "
             f"to batch it.",
             PerformanceWarning,
-            stacklevel=4,
         )
     results = []
     for b in range(level.batch_size):

@@ -7,12 +7,11 @@ It warns once per op (`functx.PerformanceWarning`) so the missing rule gets noti
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from ..core import config
-from ..core.errors import NeedsPerSampleValues, PerformanceWarning, op_name, raise_unbatched_inplace
+from ..core.errors import ISSUES, NeedsPerSampleValues, PerformanceWarning, op_name, raise_unbatched_inplace, warn
 from ..core.op_facts import returns_view, writes_argument, writes_out
 
 _warned: set = set()
@@ -25,7 +24,7 @@ def loop_fallback(op, warning=None):
     name = op_name(op)
     warning = warning or (
         f"functx.vmap: there is no batching rule for {name}; running it once per "
-        f"batch element, which is slow. Please file an issue naming this op."
+        f"batch element, which is slow. Please file an issue naming this op: {ISSUES}"
     )
     mutated = [i for i, a in enumerate(schema.arguments) if writes_argument(a) and not a.kwarg_only]
     writes_out_argument = writes_out(op)
@@ -34,7 +33,7 @@ def loop_fallback(op, warning=None):
     def refuse(reason):
         raise NotImplementedError(
             f"functx.vmap: there is no batching rule for {name}, and the per-sample "
-            f"fallback cannot run it because {reason}. Please file an issue naming this op."
+            f"fallback cannot run it because {reason}. Please file an issue naming this op: {ISSUES}"
         )
 
     def fallback(interp, *args, **kwargs):
@@ -51,7 +50,7 @@ def loop_fallback(op, warning=None):
             refuse("it returns a view")
         if config.fallback == "warn" and op not in _warned:
             _warned.add(op)
-            warnings.warn(warning, PerformanceWarning, stacklevel=2)
+            warn(warning, PerformanceWarning)
         for i in mutated:
             if not interp.is_batched(args[i]):
                 raise_unbatched_inplace(op, args[i])

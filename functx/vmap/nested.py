@@ -28,13 +28,12 @@ dims, `vmap(vmap(f))`, Python control flow on a sample's values).
 from __future__ import annotations
 
 import traceback
-import warnings
 
 import torch
 
 from ..core import config, pytree
 from ..core.containers import is_container
-from ..core.errors import PerformanceWarning, internal_dirs, user_stacklevel
+from ..core.errors import PerformanceWarning, internal_dirs, warn
 from .containers import container_leaf
 from .mapping import name_of, out_dims_per_leaf
 from .randomness import random_op_error
@@ -141,7 +140,7 @@ def warn_per_sample(func_name: str, batch_size: int, reason: str):
             f"hold. To vectorize, pad the samples to one length (with a mask) and vmap over the "
             f"padded tensor."
         )
-    warnings.warn(text, PerformanceWarning, stacklevel=user_stacklevel())
+    warn(text, PerformanceWarning)
 
 
 def per_sample_reason(error) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import redispatch_function
 
+from ..core.errors import ISSUES
 from ..core.factories import FACTORIES
 from ..core.forward_ad_state import in_level_rule
 from ..core.interpreter import current_stack
@@ -54,7 +55,7 @@ def inplace_different_error():
     return RuntimeError(
         "vmap: Cannot ask for different inplace randomness on an unbatched tensor. This will "
         "appear like same randomness. If this is necessary for your usage, please file an issue "
-        "with functx."
+        f"at {ISSUES}."
     )
 
 

@@ -1,0 +1,62 @@
+"""Type-check the README's and the docs' Python examples against functx's annotations.
+
+Every ```python block of README.md and docs/**/*.md is a program a reader may paste, so each
+is written to its own module, self-contained (its imports and data in it), and mypy checks
+them with functx from this checkout. Exits with mypy's status: 0 errors is the bar.
+
+    .venv/bin/python scripts/typecheck_examples.py [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def pages():
+    yield ROOT / "README.md"
+    yield from sorted((ROOT / "docs").rglob("*.md"))
+
+
+def modules(out: pathlib.Path) -> list[pathlib.Path]:
+    written = []
+    for page in pages():
+        blocks = BLOCK.findall(page.read_text())
+        if not blocks:
+            continue
+        name = re.sub(r"\W", "_", str(page.relative_to(ROOT)).removesuffix(".md"))
+        for number, block in enumerate(blocks, start=1):
+            path = out / f"example_{name}_{number}.py"
+            path.write_text(block)
+            written.append(path)
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", help="write the modules here (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        out = pathlib.Path(args.keep or scratch)
+        out.mkdir(parents=True, exist_ok=True)
+        files = modules(out)
+        env = {**os.environ, "MYPYPATH": str(ROOT)}  # functx from this checkout, however it is installed
+        command = [sys.executable, "-m", "mypy", "--no-error-summary", "--hide-error-context", "--follow-imports=silent",
+                   "--ignore-missing-imports", "--cache-dir", str(ROOT / ".mypy_cache"), *map(str, files)]  # fmt: skip
+        result = subprocess.run(command, env=env, text=True, capture_output=True)
+        print(result.stdout, end="")
+        print(result.stderr, end="", file=sys.stderr)
+        print(f"typecheck_examples: {len(files)} examples, mypy exit {result.returncode}")
+        return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
