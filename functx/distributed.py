@@ -372,6 +372,7 @@ def shard_ensemble_state(state, rank: int | None = None, world_size: int | None 
             f"with one member count; got leading sizes {sorted(map(str, members))}"
         )
     (count,) = members
+    assert count is not None  # (refused above)
     if count < world_size:
         raise ValueError(
             f"functx.distributed.shard_ensemble_state: {count} members cannot be sharded across {world_size} ranks "

@@ -11,6 +11,8 @@ made (`_Tap`), so that gradient is freed in its turn, as in Opacus's backward ho
 
 from __future__ import annotations
 
+from typing import Any
+
 import collections
 
 import torch
@@ -214,7 +216,8 @@ def _layers(module: nn.Module) -> list:
     """The outermost modules that own trainable parameters directly: each is one layer with
     its submodules (nn.MultiheadAttention reads its `out_proj`'s weight without calling it,
     so a submodule is never trusted to see its own parameters' uses)."""
-    layers, covered = [], []
+    layers: list = []
+    covered: list = []
     for name, sub in module.named_modules():
         if isinstance(sub, _CROSS_SAMPLE) and sub.training:
             raise ValueError(
@@ -244,8 +247,8 @@ class _Call:
     def __init__(self, layer, args, kwargs, output, copy_inputs: bool):
         keep = (lambda t: t.detach().clone()) if copy_inputs else (lambda t: t.detach())
         self.layer = layer
-        self.args = tuple(keep(a) if isinstance(a, Tensor) else a for a in args)
-        self.kwargs = {k: keep(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        self.args: Any = tuple(keep(a) if isinstance(a, Tensor) else a for a in args)
+        self.kwargs: Any = {k: keep(v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         self.versions = [(t, t._version) for t in inputs]
         self.input_nodes = [a.grad_fn for a in inputs if a.grad_fn is not None]
@@ -254,14 +257,18 @@ class _Call:
         self.templates = {i: (t.shape, t.dtype, t.device) for i, t in enumerate(leaves) if isinstance(t, Tensor)}
         # output -> which leaves are its top-level tensors (the ones a kernel reads): None
         # for a top-level item that is not a tensor (a nested tuple: an LSTM's (h_n, c_n))
-        if isinstance(output, Tensor):
-            self.structure = 0
-        else:
-            self.structure, at = [], 0
+        self.structure: Any = 0  # one tensor; else, per top-level item, its first leaf (None: not a tensor)
+        if not isinstance(output, Tensor):
+            structure: list[int | None] = []
+            at = 0
             for item in output:
-                self.structure.append(at if isinstance(item, Tensor) else None)
+                structure.append(at if isinstance(item, Tensor) else None)
                 at += len(pytree.tree_flatten(item)[0])
-        self.node = self.gradients = self.norms_sq = self.per_sample = None
+            self.structure = structure
+        self.node: Any = None
+        self.gradients: Any = None
+        self.norms_sq: Any = None
+        self.per_sample: Any = None
         self.shared = False
 
     def receive(self, grads: tuple) -> None:
@@ -381,7 +388,8 @@ def _check_parameters_used_in_calls_only(losses, calls, names) -> None:
     if not isinstance(losses, Tensor) or losses.grad_fn is None:
         return
     over = {call.node: call.input_nodes for call in calls if call.node is not None}
-    stack, seen = [losses.grad_fn], set()
+    stack: list[Any] = [losses.grad_fn]
+    seen: set = set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:

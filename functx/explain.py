@@ -33,7 +33,8 @@ import sys
 import threading
 import warnings
 from collections import Counter
-from typing import Any, Callable
+from types import FrameType
+from typing import Any, Callable, Optional
 
 from .core import config
 from .core.errors import NeedsPerSampleValues, PerformanceWarning, internal_dirs, op_name
@@ -100,7 +101,7 @@ def explain(func: Callable) -> Callable[..., Explanation]:
     def explained(*args, **kwargs) -> Explanation:
         recorder = _Recorder()
         original = Interpreter.process
-        Interpreter.process = recorder.process_with(original)
+        setattr(Interpreter, "process", recorder.process_with(original))  # (undone below)
         warned, _fallback._warned = _fallback._warned, _NeverWarned()  # each loop warns, every time
         mode = config.fallback
         if mode == "silent":  # the fallbacks' warnings are what the report reads
@@ -110,7 +111,7 @@ def explain(func: Callable) -> Callable[..., Explanation]:
                 warnings.simplefilter("always")
                 output = func(*args, **kwargs)
         finally:
-            Interpreter.process = original
+            setattr(Interpreter, "process", original)
             _fallback._warned = warned
             config.fallback = mode
         fallbacks = [str(w.message) for w in caught if issubclass(w.category, PerformanceWarning) and " once per sample (" in str(w.message)]
@@ -173,7 +174,7 @@ def _how(interp, op) -> str:
 
 def _user_line() -> str:
     internal = internal_dirs()
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame = frame.f_back
     if frame is None:

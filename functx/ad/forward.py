@@ -20,7 +20,10 @@ import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from ..core.torch_function import CallHandler
 
+from typing import Any, Optional
+
 from ..core import pytree
+from ..core.type_aliases import Argnums, Function
 from ..core.custom_function import in_function_body
 from ..core.control_flow import any_sample
 from ..core.errors import PerformanceWarning, user_facing, warn
@@ -367,16 +370,49 @@ def jvp_op_by_op(func, primal, tangent):
 
 
 @user_facing
-def jvp(func, primals, tangents, *, strict=False, has_aux=False):
-    """Evaluate `func(*primals)` and its Jacobian-vector product with `tangents`;
-    returns `(output, jvp_out)` (and `aux` with has_aux=True).
+def jvp(func: Function, primals: Any, tangents: Any, *, strict: bool = False, has_aux: bool = False) -> tuple[Any, ...]:
+    """Evaluate `func(*primals)` and its Jacobian-vector product with `tangents` (forward
+    mode): returns `(output, jvp_out)`, or `(output, jvp_out, aux)` with `has_aux=True`.
 
-    Example:
+    Args:
+        func (Callable): a function of tensors (pytrees of them) returning tensors, or
+            `(output, aux)` with `has_aux=True`.
+        primals (tuple): the point, a tuple with one entry per positional argument of
+            `func` (tensors or pytrees of floating-point or complex tensors).
+        tangents (tuple): the direction, structured and shaped like `primals`.
+        strict (bool, default False): raise if an output does not depend on the
+            primals (otherwise its tangent is zeros).
+        has_aux (bool, default False): `func` returns `(output, aux)`.
+
+    Returns:
+        tuple: `(output, jvp_out)`: `func(*primals)` and the derivative of `func` at
+        `primals` along `tangents`, structured like the output.
+
+    Raises:
+        RuntimeError: primals or tangents not a tuple, not tensors, of different
+            structure or shapes, of an integer dtype; with `strict=True`, an output
+            independent of the inputs ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.tensor([0.0, 1.0])
         >>> out, tangent = functx.jvp(torch.sin, (x,), (torch.ones(2),))
         >>> torch.allclose(tangent, torch.cos(x))
         True
+
+        A Hessian-vector product, forward over reverse:
+
+        >>> f = lambda x: (x ** 3).sum()
+        >>> _, hvp = functx.jvp(functx.grad(f), (x,), (torch.ones(2),))
+        >>> hvp.tolist()  # 6 x * v
+        [0.0, 6.0]
+
+    Differences from torch.func:
+        An op with no forward-mode formula (a `torch.library` operator with only
+        `register_autograd`, an `autograd.Function` without `jvp`) gets its tangent from
+        its reverse-mode formula (the double-VJP identity, with a
+        `functx.PerformanceWarning`) where torch.func raises or, for library operators,
+        silently returns zeros.
     """
     return _jvp_call(func, primals, tangents, strict, has_aux)
 
@@ -397,16 +433,40 @@ def _jvp_call(func, primals, tangents, strict, has_aux):
 
 
 @user_facing
-def linearize(func, *primals):
-    """Evaluate `func(*primals)` once and return `(output, jvp_fn)`; `jvp_fn(*tangents)`
-    gives the Jacobian-vector product at `primals` without re-running the forward pass.
+def linearize(func: Function, *primals: Any) -> tuple[Any, Function]:
+    """Evaluate `func(*primals)` once and return `(output, jvp_fn)`: `jvp_fn(*tangents)`
+    gives the Jacobian-vector product at `primals` without running `func` again.
 
-    Example:
+    Args:
+        func (Callable): a function of tensors (pytrees of them) returning tensors.
+        *primals (Tensor | pytree): the point.
+
+    Returns:
+        tuple: `(output, jvp_fn)`. `jvp_fn(*tangents)` takes tangents shaped like
+        `primals` (one per primal) and returns the output's tangent, structured like
+        `output`; call it as often as needed (also under `vmap`).
+
+    Raises:
+        RuntimeError: `jvp_fn` given tangents of another structure or shape than the
+            primals ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.tensor([0.0, 1.0])
         >>> out, jvp_fn = functx.linearize(torch.sin, x)
         >>> torch.allclose(jvp_fn(torch.ones(2)), torch.cos(x))
         True
+
+        Many directions, one evaluation:
+
+        >>> out, jvp_fn = functx.linearize(lambda a, b: a * b, torch.tensor(2.0), torch.tensor(3.0))
+        >>> functx.vmap(jvp_fn)(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).tolist()
+        [3.0, 2.0]
+
+    Differences from torch.func:
+        functx records the function once under reverse mode and derives the tangents from
+        that record (the double-VJP identity), so `func` may use ops without forward-mode
+        formulas; torch.func traces it with `make_fx`.
     """
     return _linearize_call(func, primals)
 
@@ -427,17 +487,50 @@ def _linearize_call(func, primals):
     return output, jvp_fn
 
 
-def jacfwd(func, argnums=0, has_aux=False, *, randomness="error", chunk_size=None):
-    """Jacobian of `func` with respect to the `argnums` arguments by forward mode: one
-    vectorized JVP per input element (`chunk_size` columns at a time bounds memory).
+def jacfwd(
+    func: Function,
+    argnums: Argnums = 0,
+    has_aux: bool = False,
+    *,
+    randomness: str = "error",
+    chunk_size: Optional[int] = None,
+) -> Function:
+    """The Jacobian of `func` with respect to its `argnums` arguments, by forward mode: one
+    vectorized Jacobian-vector product per input element. Best when the inputs are fewer
+    than the outputs.
 
-    Same result structure as `jacrev`. Goes beyond torch.func with `chunk_size`.
+    Args:
+        func (Callable): a function of tensors (pytrees of them) returning tensors, or
+            `(output, aux)` with `has_aux=True`.
+        argnums (int | tuple[int, ...], default 0): the positional arguments to
+            differentiate (real floating-point tensors).
+        has_aux (bool, default False): `func` returns `(output, aux)`.
+        randomness (str, default "error"): as `vmap`'s, for the vectorized JVPs: "error",
+            "different" or "same".
+        chunk_size (int | None, default None): compute at most this many Jacobian columns
+            at a time (bounds memory).
 
-    Example:
+    Returns:
+        Callable: a function of `func`'s arguments returning the Jacobian, structured as
+        `jacrev`'s.
+
+    Raises:
+        ValueError: `chunk_size` < 1, a differentiated argument that is not a tensor.
+        RuntimeError: a complex input; random ops with `randomness="error"`
+            ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.randn(3)
         >>> torch.allclose(functx.jacfwd(torch.sin)(x), torch.diag(torch.cos(x)))
         True
+        >>> f = lambda x: torch.stack([x.sum(), x.prod(), x.max()])
+        >>> torch.allclose(functx.jacfwd(f)(x), functx.jacrev(f)(x))
+        True
+
+    Differences from torch.func:
+        `chunk_size` (torch.func's jacfwd has none); ops without forward-mode formulas
+        work (see `jvp`).
     """
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError("jacfwd: `chunk_size` should be greater than 0.")
@@ -516,20 +609,39 @@ def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
     return (jacobian, aux) if has_aux else jacobian
 
 
-def hessian(func, argnums=0, *, chunk_size=None):
-    """Hessian of a scalar `func` with respect to the `argnums` arguments.
-    `chunk_size` bounds memory (beyond torch.func).
+def hessian(func: Function, argnums: Argnums = 0, *, chunk_size: Optional[int] = None) -> Function:
+    """The Hessian of a scalar-valued `func` with respect to its `argnums` arguments.
 
-    torch.func computes `jacfwd(jacrev(func))`; functx computes reverse-over-reverse,
-    `jacrev(jacrev(func))`: the same matrix (a Hessian is symmetric), and here about 1.6x
-    faster than forward-over-reverse, whose forward formulas of the backward ops add
-    more dispatches per op than a second backward pass does (benchmarks/HISTORY.md, automatic differentiation).
+    Args:
+        func (Callable): a function returning a scalar tensor.
+        argnums (int | tuple[int, ...], default 0): the positional arguments to
+            differentiate (a tuple gives the blocks `[i][j]`).
+        chunk_size (int | None, default None): compute at most this many rows at a time
+            (bounds memory).
 
-    Example:
+    Returns:
+        Callable: a function of `func`'s arguments returning the Hessian, of shape
+        `input.shape + input.shape` (blocks for several arguments).
+
+    Raises:
+        RuntimeError: as `grad` and `jacrev`
+            ([error catalogue](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.randn(3)
         >>> torch.allclose(functx.hessian(lambda v: (v ** 3).sum())(x), torch.diag(6 * x))
         True
+        >>> a, b = torch.tensor(1.0), torch.tensor(2.0)
+        >>> blocks = functx.hessian(lambda a, b: a * a * b, argnums=(0, 1))(a, b)
+        >>> [[round(h.item(), 4) for h in row] for row in blocks]
+        [[4.0, 2.0], [2.0, 0.0]]
+
+    Differences from torch.func:
+        torch.func computes `jacfwd(jacrev(func))`; functx computes `jacrev(jacrev(func))`:
+        the same matrix (a Hessian is symmetric), here about 1.6x faster, since forward
+        formulas of the backward ops add more dispatches than a second backward pass
+        (benchmarks/HISTORY.md). `chunk_size` is functx's.
     """
     from .reverse import jacrev
 

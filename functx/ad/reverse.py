@@ -6,7 +6,10 @@ import functools
 
 import torch
 
+from typing import Any, Optional
+
 from ..core import pytree
+from ..core.type_aliases import Argnums, Function
 from ..core.errors import user_facing
 from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
@@ -99,16 +102,48 @@ def _vjp_with_argnums(func, args, kwargs, argnums, has_aux, api, needs=VJP):
 
 
 @user_facing
-def vjp(func, *primals, has_aux=False):
-    """Run `func(*primals)` and return `(output, vjp_fn)` (and `aux` with has_aux=True):
-    `vjp_fn(cotangents)` gives the vector-Jacobian product for every primal.
+def vjp(func: Function, *primals: Any, has_aux: bool = False) -> tuple[Any, ...]:
+    """Run `func(*primals)` and return its output with a function computing
+    vector-Jacobian products there (reverse mode): `(output, vjp_fn)`, or
+    `(output, vjp_fn, aux)` with `has_aux=True`.
 
-    Example:
+    Args:
+        func (Callable): a function of tensors (pytrees of them) returning tensors (pytrees
+            of them), or `(output, aux)` with `has_aux=True`.
+        *primals (Tensor | pytree): the point; every tensor leaf is differentiated.
+        has_aux (bool, default False): `func` returns `(output, aux)`; aux is returned
+            as is, not differentiated.
+
+    Returns:
+        tuple: `(output, vjp_fn)` (`(output, vjp_fn, aux)` with `has_aux=True`).
+        `vjp_fn(cotangents)` takes cotangents shaped (and structured) like `output` and
+        returns a tuple with one entry per primal, shaped like it: `cotangents` times the
+        Jacobian. It can be called any number of times, also under `vmap` (all rows of a
+        Jacobian at once).
+
+    Raises:
+        RuntimeError: a primal or output that is not a tensor, or `vjp_fn` given
+            cotangents whose structure or shapes differ from the output's
+            ([error catalogue](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.tensor([1.0, 2.0])
         >>> out, vjp_fn = functx.vjp(torch.sin, x)
         >>> torch.allclose(vjp_fn(torch.ones(2))[0], torch.cos(x))
         True
+
+        Several primals, and the whole Jacobian by vmapping `vjp_fn` over the rows:
+
+        >>> w, v = torch.randn(2, 3), torch.randn(3)
+        >>> out, vjp_fn = functx.vjp(torch.mv, w, v)
+        >>> dw, dv = functx.vmap(vjp_fn)(torch.eye(2))
+        >>> torch.allclose(dv, w), dw.shape
+        (True, torch.Size([2, 2, 3]))
+
+    Differences from torch.func:
+        `vjp_fn` also accepts `retain_graph` and `create_graph` keywords (as
+        `torch.autograd.grad`), for callers differentiating through it by hand.
     """
     return _vjp_call(func, primals, has_aux)
 
@@ -124,15 +159,34 @@ def _vjp_call(func, primals, has_aux):
     return (result, wrapper, aux) if has_aux else (result, wrapper)
 
 
-def grad_and_value(func, argnums=0, has_aux=False):
-    """Like `grad`, but the transformed function returns `(gradient, value)` (with
-    has_aux=True: `(gradient, (value, aux))`).
+def grad_and_value(func: Function, argnums: Argnums = 0, has_aux: bool = False) -> Function:
+    """Like `grad`, but the transformed function returns the value too, from the same pass:
+    `(gradient, value)`, or `(gradient, (value, aux))` with `has_aux=True`.
 
-    Example:
+    Args:
+        func (Callable): a function returning a scalar tensor, or `(scalar, aux)` with
+            `has_aux=True`.
+        argnums (int | tuple[int, ...], default 0): the positional arguments to
+            differentiate (a tuple gives a tuple of gradients).
+        has_aux (bool, default False): `func` returns `(output, aux)`.
+
+    Returns:
+        Callable: a function of `func`'s arguments returning `(gradient, value)` or
+        `(gradient, (value, aux))`.
+
+    Raises:
+        RuntimeError: as `grad` ([error catalogue](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
+
+    Examples:
         >>> import torch, functx
         >>> g, v = functx.grad_and_value(lambda x: (x ** 2).sum())(torch.tensor([1.0, 3.0]))
         >>> g.tolist(), v.item()
         ([2.0, 6.0], 10.0)
+        >>> g, (v, aux) = functx.grad_and_value(lambda x: ((x ** 2).sum(), x.argmax()), has_aux=True)(torch.tensor([1.0, 3.0]))
+        >>> v.item(), aux.item()
+        (10.0, 1)
+
+    Differences from torch.func: none.
     """
     @user_facing
     @functools.wraps(func)
@@ -191,18 +245,60 @@ def _drop_recorded_writes(level, args, argnums) -> None:
                 x.detach_()
 
 
-def grad(func, argnums=0, has_aux=False):
-    """Gradient of a scalar-valued `func` with respect to the `argnums` arguments.
+def grad(func: Function, argnums: Argnums = 0, has_aux: bool = False) -> Function:
+    """The gradient of a scalar-valued `func` with respect to its `argnums` arguments:
+    `grad(func)(*args)` returns d func(*args) / d args[argnums].
 
-    `argnums` is an int or a tuple of ints (then a tuple of gradients is returned);
-    arguments may be pytrees of tensors. With has_aux=True, `func` returns
-    `(output, aux)` and the transformed function returns `(gradient, aux)`.
+    Args:
+        func (Callable): a function returning a scalar tensor (one element), or
+            `(scalar, aux)` with `has_aux=True`. Its arguments may be pytrees of tensors.
+        argnums (int | tuple[int, ...], default 0): which positional arguments to
+            differentiate. An int gives that argument's gradient; a tuple gives a tuple of
+            gradients, one per position.
+        has_aux (bool, default False): `func` returns `(output, aux)`; the gradient is of
+            `output`, and `aux` (any pytree, not differentiated) is returned beside it.
 
-    Example:
+    Returns:
+        Callable: a function of the same arguments as `func`, returning the gradient
+        (shaped like the differentiated argument, a pytree like it for a pytree), a tuple
+        of them for tuple `argnums`, and `(gradient, aux)` with `has_aux=True`.
+
+    Raises:
+        RuntimeError: `func`'s output is not a scalar tensor, or `argnums` is out of range
+            or not an int or tuple of ints
+            ([error catalogue: grad, vjp, jacrev](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
+        RuntimeError: with `has_aux=True`, `func` does not return a pair.
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.tensor(0.5)
+        >>> torch.allclose(functx.grad(torch.sin)(x), torch.cos(x))
+        True
         >>> torch.allclose(functx.grad(functx.grad(torch.sin))(x), -torch.sin(x))
         True
+
+        Several arguments, pytrees and an auxiliary output:
+
+        >>> def loss(params, x):
+        ...     out = params["w"] * x + params["b"]
+        ...     return (out ** 2).sum(), out
+        >>> params = {"w": torch.tensor(2.0), "b": torch.tensor(1.0)}
+        >>> grads, out = functx.grad(loss, has_aux=True)(params, torch.tensor([1.0, 2.0]))
+        >>> {k: round(v.item(), 4) for k, v in grads.items()}, out.tolist()
+        ({'w': 26.0, 'b': 16.0}, [3.0, 5.0])
+        >>> dw, dx = functx.grad(lambda w, x: (w * x).sum(), argnums=(0, 1))(torch.tensor(3.0), torch.ones(2))
+        >>> dw.item(), dx.tolist()
+        (2.0, [3.0, 3.0])
+
+        Per-sample gradients:
+
+        >>> w, xs = torch.randn(3), torch.randn(8, 3)
+        >>> functx.vmap(functx.grad(lambda w, x: (w @ x).tanh()), in_dims=(None, 0))(w, xs).shape
+        torch.Size([8, 3])
+
+    Differences from torch.func:
+        None in results. functx picks, per call, a level on torch's autograd right inside
+        `vmap` (per-sample gradients without per-op wrappers) or a wrapped level elsewhere.
     """
     gv = grad_and_value(func, argnums, has_aux)
 
@@ -261,18 +357,55 @@ def jacobian_by_rows(vjp_fn, flat_out, out_spec, chunk_size):
         return per_output, in_spec
 
 
-def jacrev(func, argnums=0, *, has_aux=False, chunk_size=None, _preallocate_and_copy=False):
-    """Jacobian of `func` with respect to the `argnums` arguments, by reverse mode: one
-    vectorized VJP per output element (in chunks of `chunk_size` rows to bound memory).
+def jacrev(
+    func: Function,
+    argnums: Argnums = 0,
+    *,
+    has_aux: bool = False,
+    chunk_size: Optional[int] = None,
+    _preallocate_and_copy: bool = False,
+) -> Function:
+    """The Jacobian of `func` with respect to its `argnums` arguments, by reverse mode: one
+    vectorized vector-Jacobian product per output element. Best when the outputs are fewer
+    than the inputs.
 
-    The result nests like torch.func's: output structure outside, argnums/argument
-    structure inside; each leaf has shape `output.shape + input.shape`.
+    Args:
+        func (Callable): a function of tensors (pytrees of them) returning tensors (pytrees
+            of them), or `(output, aux)` with `has_aux=True`.
+        argnums (int | tuple[int, ...], default 0): the positional arguments to
+            differentiate.
+        has_aux (bool, default False): `func` returns `(output, aux)`; the result is
+            `(jacobian, aux)`.
+        chunk_size (int | None, default None): compute at most this many Jacobian rows
+            at a time (bounds memory; 1 is a loop of vjps).
 
-    Example:
+    Returns:
+        Callable: a function of `func`'s arguments returning the Jacobian. Its structure
+        nests as torch.func's: the output's structure outside, the differentiated
+        arguments' inside (a tuple for tuple `argnums`); each leaf has shape
+        `output.shape + input.shape`.
+
+    Raises:
+        ValueError: `chunk_size` < 1.
+        RuntimeError: bad `argnums`, a non-tensor output
+            ([error catalogue](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
+
+    Examples:
         >>> import torch, functx
         >>> x = torch.randn(3)
         >>> torch.allclose(functx.jacrev(torch.sin)(x), torch.diag(torch.cos(x)))
         True
+
+        Two arguments, and a batch of Jacobians:
+
+        >>> w, v = torch.randn(2, 3), torch.randn(3)
+        >>> jw, jv = functx.jacrev(torch.mv, argnums=(0, 1))(w, v)
+        >>> jw.shape, torch.allclose(jv, w)
+        (torch.Size([2, 2, 3]), True)
+        >>> functx.vmap(functx.jacrev(torch.sin))(torch.randn(5, 3)).shape
+        torch.Size([5, 3, 3])
+
+    Differences from torch.func: none (`_preallocate_and_copy` is accepted and ignored).
     """
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError("jacrev: `chunk_size` should be greater than 0.")

@@ -84,7 +84,7 @@ def _context_fn(policy: Policy):
 
 
 def _storages(tree) -> set:
-    found = set()
+    found: set[int | None] = set()
     for leaf in pytree.tree_leaves(tree):
         if isinstance(leaf, Tensor):
             try:

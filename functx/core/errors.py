@@ -2,6 +2,8 @@
 
 import os
 import warnings
+from types import FrameType
+from typing import Optional
 
 # Where functx's messages send users to report a missing rule or a bug (pyproject.toml's
 # [project.urls] Issues: tests/test_project.py keeps the two equal)
@@ -97,7 +99,8 @@ def user_stacklevel() -> int:
     import sys
 
     internal = internal_dirs()
-    frame, level = sys._getframe(1), 1
+    frame: Optional[FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame, level = frame.f_back, level + 1
     return level

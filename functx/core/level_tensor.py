@@ -12,6 +12,8 @@ This is the hot path: no pytree library here, one pass over the arguments.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.utils._mode_utils
 
@@ -34,7 +36,7 @@ def view_as_real_resolved(x):
 _tls_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
 _AUTOGRAD_CPU = torch._C.DispatchKey.AutogradCPU
-_RESTORE_OUTSIDE = torch._C._RestorePythonTLSSnapshot
+_RESTORE_OUTSIDE = getattr(torch._C, "_RestorePythonTLSSnapshot")  # (not in torch's stubs)
 _VIEWS_TRACKED = torch._C._SetExcludeDispatchKeyGuard
 
 
@@ -51,11 +53,11 @@ class LevelTensor(torch.Tensor):
     """Base of every transform's wrapper tensor. Subclasses set `_value` and `_interp`."""
 
     _value: torch.Tensor
-    _interp: object
+    _interp: Any  # the level (core/interpreter.py's Interpreter: imported by it, not here)
     is_functx_level_tensor = True  # how core/dispatch_modes.py, below this module, knows one
 
     # Ops reach us as ATen ops only; no Python-level __torch_function__ work per call.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     # The conjugate bit. torch's Conjugate key runs before the Python key, so a wrapper that
     # carried the bit would have its lazy conjugation resolved by torch on the wrapper's
@@ -216,8 +218,9 @@ def refresh_views(interp, tensors) -> None:
     for a in tensors:
         for t in a if type(a) is list or type(a) is tuple else (a,):
             if isinstance(t, LevelTensor) and t._interp is interp and t._is_view():
-                base = bases.get(id(t._base))
-                if base is not None and base is t._base and level_of(t._value) < level_of(base._value):
+                base: Any = bases.get(id(t._base))
+                lifted = base is not None and base is t._base
+                if lifted and level_of(t._value) < level_of(base._value):
                     t._value = _same_view(base._value, t._value)
 
 

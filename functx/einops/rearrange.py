@@ -106,7 +106,7 @@ class _Plan:
         self.pattern = pattern
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        sizes = {}
+        sizes: dict[str, int] = {}
         for dim, group in enumerate(self.input_groups):
             self._bind(group, tensor.shape[dim], sizes)
         split = [sizes[a] for group in self.input_groups for a in group]

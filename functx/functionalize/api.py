@@ -7,6 +7,7 @@ import functools
 import torch
 
 from ..core import pytree
+from ..core.type_aliases import Function
 from ..core.errors import user_facing
 from ..core.interpreter import functx_code, interpreting
 from .level import FunctionalizeInterpreter, FunctionalizedTensor
@@ -14,7 +15,7 @@ from .level import FunctionalizeInterpreter, FunctionalizedTensor
 REMOVE_OPTIONS = ("mutations", "mutations_and_views")
 
 
-def functionalize(func, *, remove="mutations"):
+def functionalize(func: Function, *, remove: str = "mutations") -> Function:
     """Run `func` with its mutations (and, optionally, its views) replaced by out-of-place ops.
 
     `functionalize(func)(*args)` returns what `func(*args)` returns, but every in-place

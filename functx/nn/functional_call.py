@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -114,7 +114,7 @@ def _merge_dicts(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]]) -> dict
     if isinstance(dicts, dict):
         return dicts
     if _is_nested_state(dicts):  # a TensorDict (TensorDictParams, TensorDict.from_module)
-        return dict(dicts.flatten_keys(".").items())
+        return dict(cast(Any, dicts).flatten_keys(".").items())
     if not isinstance(dicts, Sequence) or isinstance(dicts, (str, bytes)):
         raise ValueError(
             "Expected parameter_and_buffer_dicts to be a dict, or a list/tuple of dicts, "
@@ -276,8 +276,8 @@ def _save_rnn_caches(module: nn.Module) -> list[tuple[nn.Module, list, list]]:
 
 def _restore_rnn_caches(caches: list[tuple[nn.Module, list, list]]) -> None:
     for m, weights, refs in caches:
-        m._flat_weights = weights
-        m._flat_weight_refs = refs
+        setattr(m, "_flat_weights", weights)  # (a list: nn.Module's __setattr__ types tensors and modules)
+        setattr(m, "_flat_weight_refs", refs)
 
 
 def _write_back(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]], after: dict[str, Tensor]) -> None:
@@ -291,7 +291,7 @@ def _write_back(dicts: dict[str, Tensor] | Sequence[dict[str, Tensor]], after: d
             continue
         for key, value in _merge_dicts(d).items():
             if key in after and after[key] is not value:
-                d[tuple(key.split("."))] = after[key]
+                cast(Any, d)[tuple(key.split("."))] = after[key]  # a TensorDict: nested keys
 
 
 def _is_nested_state(obj) -> bool:

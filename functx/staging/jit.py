@@ -78,7 +78,10 @@ import types
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from typing import Callable, Optional, Union, overload
+
 from ..core import pytree
+from ..core.type_aliases import Argnums, Function
 from ..core.errors import warn
 
 RETRACE_WARNING_AFTER = 4
@@ -113,6 +116,32 @@ def _tensor_versions(args, kwargs) -> list:
     """The version counters of the tensors among the arguments (an in-place write bumps one)."""
     leaves = pytree.tree_leaves((args, kwargs))
     return [(leaf, leaf._version) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+@overload
+def jit(
+    fn: Function,
+    *,
+    static_argnums: Argnums = (),
+    backend: Union[str, Callable, None] = None,
+    dynamic: bool = False,
+    debug: Optional[bool] = None,
+    mode: Optional[str] = None,
+    options: Optional[dict] = None,
+) -> Jitted: ...
+
+
+@overload
+def jit(
+    fn: None = None,
+    *,
+    static_argnums: Argnums = (),
+    backend: Union[str, Callable, None] = None,
+    dynamic: bool = False,
+    debug: Optional[bool] = None,
+    mode: Optional[str] = None,
+    options: Optional[dict] = None,
+) -> Callable[[Function], Jitted]: ...
 
 
 def jit(fn=None, *, static_argnums=(), backend=None, dynamic=False, debug=None, mode=None, options=None):
@@ -303,8 +332,8 @@ def _optimized(fn, backend, dynamic: bool):
             undo_quiet()
             undo()
 
-    converting._torchdynamo_orig_backend = callback  # how dynamo finds the backend behind a callback
-    context.callback = converting
+    setattr(converting, "_torchdynamo_orig_backend", callback)  # how dynamo finds the backend behind a callback
+    setattr(context, "callback", converting)
     return context(fn)
 
 

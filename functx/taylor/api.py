@@ -72,9 +72,9 @@ def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
             f"functx.jet: primals has {len(primals)} entries and series {len(series)}; give one "
             f"list of coefficients per primal."
         )
-    orders = {len(terms) if isinstance(terms, (tuple, list)) else None for terms in series}
-    if None in orders:
+    if not all(isinstance(terms, (tuple, list)) for terms in series):
         raise TypeError("functx.jet: each entry of series must be a list [x1, ..., xK] of coefficients.")
+    orders = {len(terms) for terms in series}
     if len(orders) > 1:
         raise ValueError(
             f"functx.jet: the entries of series have different numbers of coefficients "
@@ -87,7 +87,8 @@ def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
     for leaf, terms in zip(flat_primals, flat_terms):
         _check_leaf(leaf, terms)
 
-    with interpreting(JetLevel(order)) as level:
+    level = JetLevel(order)
+    with interpreting(level):
         with functx_code():
             inputs = [level.wrap(p, to_normalized([None, *terms])[1:]) for p, terms in zip(flat_primals, flat_terms)]
         out = fun(*pytree.tree_unflatten(primals_spec, inputs))
@@ -114,7 +115,7 @@ def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
 def _terms_like(primal, terms, index) -> list:
     """The coefficients of each leaf of `primal`: a list per leaf."""
     leaves, spec = pytree.tree_flatten(primal)
-    per_leaf = [[] for _ in leaves]
+    per_leaf: list[list] = [[] for _ in leaves]
     for k, term in enumerate(terms):
         term_leaves, term_spec = pytree.tree_flatten(term)
         if term_spec != spec:

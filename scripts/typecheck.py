@@ -1,10 +1,12 @@
-"""Type-check the README's and the docs' Python examples against functx's annotations.
+"""Type-check functx's public API and the README's and the docs' Python examples.
 
-Every ```python block of README.md and docs/**/*.md is a program a reader may paste, so each
+The public API: every module that defines a name of `functx.__all__` (its annotated
+functions' bodies too). The examples:
+every ```python block of README.md and docs/**/*.md is a program a reader may paste, so each
 is written to its own module, self-contained (its imports and data in it), and mypy checks
 them with functx from this checkout. Exits with mypy's status: 0 errors is the bar.
 
-    .venv/bin/python scripts/typecheck_examples.py [--keep DIR]
+    .venv/bin/python scripts/typecheck.py [--keep DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +42,22 @@ def modules(out: pathlib.Path) -> list[pathlib.Path]:
     return written
 
 
+def public_modules() -> list[str]:
+    """The files of the modules that define functx's public names."""
+    sys.path.insert(0, str(ROOT))
+    import inspect
+
+    import functx
+
+    files = set()
+    for name in functx.__all__:
+        module = inspect.getmodule(getattr(functx, name))
+        path = getattr(module, "__file__", None)
+        if path and pathlib.Path(path).resolve().is_relative_to(ROOT / "functx"):
+            files.add(str(pathlib.Path(path).resolve()))
+    return sorted(files)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="write the modules here (default: a temporary directory)")
@@ -50,11 +68,11 @@ def main() -> int:
         files = modules(out)
         env = {**os.environ, "MYPYPATH": str(ROOT)}  # functx from this checkout, however it is installed
         command = [sys.executable, "-m", "mypy", "--no-error-summary", "--hide-error-context", "--follow-imports=silent",
-                   "--ignore-missing-imports", "--cache-dir", str(ROOT / ".mypy_cache"), *map(str, files)]  # fmt: skip
+                   "--ignore-missing-imports", "--cache-dir", str(ROOT / ".mypy_cache"), *public_modules(), *map(str, files)]  # fmt: skip
         result = subprocess.run(command, env=env, text=True, capture_output=True)
         print(result.stdout, end="")
         print(result.stderr, end="", file=sys.stderr)
-        print(f"typecheck_examples: {len(files)} examples, mypy exit {result.returncode}")
+        print(f"typecheck: functx's public API and {len(files)} examples, mypy exit {result.returncode}")
         return result.returncode
 
 
