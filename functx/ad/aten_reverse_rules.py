@@ -116,8 +116,36 @@ class _FusedAttention(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         query, key, value, is_causal, attn_mask, scale = inputs
         ctx.save_for_backward(query, key, value, *output)
+        ctx.save_for_forward(query, key, value)
         ctx.is_causal, ctx.attn_mask, ctx.scale = is_causal, attn_mask, scale
         ctx.mark_non_differentiable(output[1])  # the logsumexp: kept for the backward only
+
+    @staticmethod
+    def jvp(ctx, tangent_query, tangent_key, tangent_value, *_):
+        """Forward mode through the fused kernel (a jvp level over values the caller's
+        autograd tracks reaches it; it raised "You must implement the jvp function"):
+        with P = softmax(S), S = scale q kᵀ, the output's tangent is dP v + P dv, where
+        dP = P ⊙ (dS - rowsum(P ⊙ dS)), dS = scale (dq kᵀ + q dkᵀ). P is L x L here, as in
+        torch's math backend (forward mode only)."""
+        query, key, value = ctx.saved_tensors
+        scale = query.shape[-1] ** -0.5 if ctx.scale is None else ctx.scale
+        probs = _scores(query, key, ctx.is_causal, ctx.attn_mask, scale).softmax(-1)
+        tangent_out = 0
+        if tangent_query is not None or tangent_key is not None:
+            tangent_scores = 0
+            if tangent_query is not None:
+                tangent_scores = tangent_query @ key.transpose(-2, -1)
+            if tangent_key is not None:
+                tangent_scores = tangent_scores + query @ tangent_key.transpose(-2, -1)
+            tangent_scores = tangent_scores * scale
+            weighted = probs * tangent_scores
+            tangent_probs = weighted - probs * weighted.sum(-1, keepdim=True)
+            tangent_out = tangent_probs @ value
+        if tangent_value is not None:
+            tangent_out = tangent_out + probs @ tangent_value
+        if not isinstance(tangent_out, torch.Tensor):  # no input carries a tangent
+            tangent_out = probs @ torch.zeros_like(value)
+        return tangent_out, None
 
     @staticmethod
     def backward(ctx, grad_out, _):

@@ -378,6 +378,36 @@ def test_attention_jvp_jacfwd_and_hvp(mask, shape, block, monkeypatch):
     torch.testing.assert_close(per_sample, torch.stack([torch.autograd.functional.jvp(lambda u: math(u, k[0], v[0]), a, t)[1] for a, t in zip(q, tq)]))
 
 
+@pytest.mark.parametrize("shape", [(7, 7), (5, 9)], ids=["self", "cross"])
+@pytest.mark.parametrize("mask", list(_MASKS))
+def test_attention_jvp_with_primals_the_caller_tracks(mask, shape):
+    """A jvp level over values the caller's autograd tracks meets `_FusedAttention` (the fused
+    kernel with a differentiable backward): it raised "You must implement the jvp function";
+    its jvp is the math form's tangent, and the caller's gradient goes through it."""
+    rows, keys = shape
+    kwargs = _MASKS[mask](rows, keys)
+    if mask == "bool_mask":
+        kwargs["attn_mask"][:, 0] = True
+    (q, k, v), (tq, tk, tv) = _attention_inputs(rows * keys, rows, keys)
+    fused = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+    math = lambda q, k, v: _attention_math(q, k, v, **kwargs)  # noqa: E731
+    expected = torch.autograd.functional.jvp(math, (q, k, v), (tq, tk, tv))[1]
+    tracked = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, tangent = functx.jvp(fused, tuple(tracked), (tq, tk, tv))
+    torch.testing.assert_close(tangent.detach(), expected)
+    for which in range(3):  # one input carrying a tangent at a time (the others None in the jvp)
+        tangents = [t if i == which else torch.zeros_like(t) for i, t in enumerate((tq, tk, tv))]
+        one = torch.autograd.functional.jvp(math, (q, k, v), tuple(tangents))[1]
+        only = functx.jvp(lambda x: fused(*[x if i == which else y for i, y in enumerate(tracked)]), (tracked[which],), (tangents[which],))[1]
+        torch.testing.assert_close(only.detach(), one)
+    # the caller's autograd differentiates the tangent (a Hessian-vector product by hand)
+    (caller,) = torch.autograd.grad(tangent.pow(2).sum(), tracked[0])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    reference_tangent = torch.autograd.functional.jvp(math, tuple(leaves), (tq, tk, tv), create_graph=True)[1]
+    (expected_caller,) = torch.autograd.grad(reference_tangent.pow(2).sum(), leaves[0])
+    torch.testing.assert_close(caller, expected_caller)
+
+
 @pytest.mark.filterwarnings("ignore::functx.PerformanceWarning")
 @pytest.mark.parametrize("mask", list(_MASKS))
 def test_attention_differentiated_twice(mask):

@@ -1655,6 +1655,17 @@ def test_fuzz_complex_intermediates(case):
 
 
 @FUZZ
+@given(cases(PURE_FAMILIES, ALL + ["vjp_fn"], must_op=["attention"]))
+def test_fuzz_attention_under_the_callers_autograd(case):
+    """Every program has fused attention, and the caller's autograd tracks the inputs: a
+    transform then records the fused kernel through `_FusedAttention` (one AD level) or its
+    math form in blocks (two), and a jvp level over tracked values met the Function without
+    a jvp ("You must implement the jvp function"), which the general caller fuzzer, drawing
+    attention in about one program in ten, never combined with a lone jvp."""
+    check(Case(case.program, case.stack, case.seed, case.expand, caller=True))
+
+
+@FUZZ
 @given(cases(PURE_FAMILIES + ["function"], ALL + ["vjp_fn"]))
 def test_fuzz_under_the_callers_autograd(case):
     """The inputs require grad and plain torch.autograd differentiates the stack's output
