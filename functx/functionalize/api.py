@@ -30,10 +30,20 @@ def functionalize(func: Function, *, remove: str = "mutations") -> Function:
     captured global) cannot be removed; writing a value computed inside into one is an error.
 
     Args:
-        func: a function of tensors (pytrees of them, and other values).
-        remove: "mutations" (default) or "mutations_and_views".
+        func (Callable): a function of tensors (pytrees of them, and other values).
+        remove (str, default "mutations"): "mutations" replaces in-place and `out=` ops;
+            "mutations_and_views" replaces view ops by their `*_copy` ops too.
 
-    Example:
+    Returns:
+        Callable: a function of the same arguments returning what `func` returns, with the
+        writes into its inputs applied once, at the end.
+
+    Raises:
+        RuntimeError: an invalid `remove`; a value computed inside written into a tensor
+            captured from outside the function
+            ([error catalogue: functionalize](../errors.md#functionalize)).
+
+    Examples:
         >>> import torch, functx
         >>> from torch.fx.experimental.proxy_tensor import make_fx
         >>> def f(a):
@@ -54,6 +64,12 @@ def functionalize(func: Function, *, remove: str = "mutations") -> Function:
         ...     return a.sum()
         >>> ops(make_fx(functx.functionalize(g))(torch.ones(3)).graph)
         ['mul', 'sum', 'copy_']
+
+    Differences from torch.func:
+        functionalize is an interpreter level like the other transforms, so
+        `functionalize(vmap(f))` and `vmap(functionalize(f))` both work, and under vmap it
+        makes writes of batched values into unbatched temporaries out-of-place (which
+        `vmap` alone refuses).
     """
     if remove not in REMOVE_OPTIONS:
         raise RuntimeError(

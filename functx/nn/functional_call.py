@@ -40,54 +40,73 @@ def functional_call(
     strict: bool = False,
     return_state: bool = False,
 ) -> Any:
-    """Call `module` with its parameters and buffers replaced by the given tensors.
+    """Call `module` with its parameters and buffers replaced by the given tensors: the
+    module's computation as a pure function of its state (what `vmap`, `grad` and ensembles
+    transform).
 
-    Same arguments and semantics as `torch.func.functional_call`:
+    Args:
+        module (torch.nn.Module): the module to call. It is left as it was: the same
+            parameter and buffer objects, also when its forward raises.
+        parameter_and_buffer_dicts (dict[str, Tensor] | Sequence[dict[str, Tensor]]): a
+            dict `{name: tensor}` (names as in `module.named_parameters()` /
+            `named_buffers()`), or a tuple/list of such dicts with distinct keys. Names not
+            given keep the module's own tensor. A TensorDict (`TensorDict.from_module`,
+            `TensorDictParams`) works as the dict of its flattened keys (`"0.weight"`).
+        args (Any, default None): one positional argument, or a tuple of them.
+        kwargs (dict[str, Any] | None, default None): keyword arguments of the forward.
+        tie_weights (bool, default True): names that share one tensor in `module` (tied
+            weights) keep sharing: a value given for one of them is used for all. With
+            False each name takes only its own value.
+        strict (bool, default False): the given names must be exactly the module's
+            parameters and buffers.
+        return_state (bool, default False): make the call pure: the forward runs on clones
+            of the buffers (given or not), and the call returns `(output, new_buffers)` with
+            every buffer's value after the forward (updated batch-norm statistics), without
+            mutating the passed tensors, the dicts or the module. Parameters are not cloned.
 
-    - `parameter_and_buffer_dicts`: a dict `{name: tensor}` (names as in
-      `module.named_parameters()` / `named_buffers()`), or a tuple/list of such dicts
-      with distinct keys (a key in two dicts is a `ValueError`). Names not given keep
-      the module's own tensor. Beyond torch.func, a TensorDict (`TensorDict.from_module`,
-      `TensorDictParams`) works as the dict of its flattened keys (`"0.weight"`).
-    - `args`: one argument, or a tuple of positional arguments; `kwargs`: a dict.
-    - `tie_weights=True`: names that share one tensor in `module` (tied weights) keep
-      sharing: a value given for one of them is used for all. Different values for
-      names of one tied group raise `ValueError` ("... which are tied. Consider using
-      tie_weights=False"). With `tie_weights=False` each name takes only its own value.
-    - `strict=True`: the given names must be exactly the module's parameters and
-      buffers; missing and unexpected keys raise a `RuntimeError` listing them.
+    Returns:
+        Any: the module's output, or `(output, new_buffers)` with `return_state=True`.
+        As in torch.func, without `return_state` a forward that updates a buffer in place
+        (batch-norm running stats in training mode) updates the tensor that was passed, and
+        one that re-assigns an attribute (`self.count = self.count + 1`) writes the new
+        value into the passed dict under that key.
 
-    The module is left as it was: the same parameter and buffer objects, also when
-    its forward raises. The given tensors replace the module's for the calling thread
-    only (beyond torch.func, whose swap other threads see): threads calling
-    `functional_call` on one module at once each see their own values, and a thread
-    calling the module itself meanwhile sees its own tensors. As in torch.func, a forward that updates a buffer in place
-    (batch-norm running stats in training mode) updates the tensor that was passed,
-    and a forward that re-assigns an attribute (`self.count = self.count + 1`) writes
-    the new value into the passed dict under that key.
+    Raises:
+        ValueError: a key in two dicts; different values for names of one tied group
+            ("... which are tied. Consider using tie_weights=False").
+        RuntimeError: with `strict=True`, missing or unexpected keys (listed).
+        TypeError: `module` is not an `nn.Module`
+            ([error catalogue: modules](../errors.md#modules-functional_call-stack_module_state-make_functional-ensemble)).
 
-    `return_state=True` (functx only) makes the call pure instead: returns
-    `(output, new_buffers)`, where `new_buffers` is `{name: tensor}` for every buffer
-    of the module (`module.named_buffers()` names; given or not) holding its value
-    after the forward — e.g. updated batch-norm running stats. The forward runs on
-    clones of the buffers (of the given ones, and of the module's own for names not
-    given), so neither the passed tensors, the passed dicts nor the module's buffers
-    are mutated; clones are differentiable, so `new_buffers` carries gradients and
-    batch dims like any other output. Parameters are not cloned: a forward that writes
-    into a parameter in place is not made pure.
-
-    Example:
+    Examples:
         >>> import torch, functx
         >>> model = torch.nn.Linear(3, 2)
         >>> params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
         >>> functx.functional_call(model, params, torch.ones(1, 3))
         tensor([[0., 0.]])
+
+        Per-sample gradients of a module's loss:
+
+        >>> params = {k: v.detach() for k, v in model.named_parameters()}
+        >>> def loss(params, x):
+        ...     return functx.functional_call(model, params, (x[None],)).sum()
+        >>> grads = functx.vmap(functx.grad(loss), in_dims=(None, 0))(params, torch.randn(5, 3))
+        >>> grads["weight"].shape
+        torch.Size([5, 2, 3])
+
+        Pure batch norm (`return_state`):
+
         >>> bn = torch.nn.BatchNorm1d(2)
         >>> state = {k: v.clone() for k, v in bn.named_buffers()}
         >>> out, new_state = functx.functional_call(
         ...     bn, state, torch.tensor([[0., 2.], [2., 4.]]), return_state=True)
         >>> new_state["running_mean"], state["running_mean"]
         (tensor([0.1000, 0.3000]), tensor([0., 0.]))
+
+    Differences from torch.func:
+        `return_state`; TensorDict state; the given tensors replace the module's for the
+        calling thread only (torch.func's swap is seen by other threads): threads calling
+        `functional_call` on one module at once each see their own values.
     """
     given = _merge_dicts(parameter_and_buffer_dicts)
     _check_module(module)

@@ -145,34 +145,59 @@ def jit(
 
 
 def jit(fn=None, *, static_argnums=(), backend=None, dynamic=False, debug=None, mode=None, options=None):
-    """`fn` traced on its first call (per argument signature) and replayed after.
+    """`fn` traced on its first call (per argument signature) and replayed after: the
+    transforms' Python dispatch runs once, later calls run the recorded ATen graph (compiled
+    by `backend`, if given). Usable as a decorator, bare or with arguments.
 
     Args:
-        fn: the function (any composition of functx transforms, modules through
-            `functional_call`, plain torch code).
-        static_argnums: positions of arguments that are Python values fixed at trace time
-            (hashable; each distinct value traces once).
-        backend: None to replay the traced graph as it is, or a torch.compile backend
-            (`"inductor"`, a name from `torch._dynamo.list_backends()`, a callable).
-        dynamic: trace with symbolic sizes (one trace for many shapes) instead of one per
-            shape.
-        debug: print each trace (default: the `FUNCTX_JIT_DEBUG` environment variable).
-        mode, options: the compiler's settings, as torch.compile's (`backend="inductor"`:
-            `mode="max-autotune-no-cudagraphs"`, `options={"cpp_wrapper": True}`; other
-            backends receive them as keyword arguments). With inductor, functx chooses the
-            wrapper per graph unless `cpp_wrapper` is given: C++ (the replay without one
-            Python call per kernel) for CPU graphs of many small ops (`overhead_bound`: a
-            MAML step, a small Hessian: 0.78-0.88x the Python wrapper's time, for a longer
-            first compile), inductor's Python wrapper otherwise. No settings with `backend=None`.
+        fn (Callable | None, default None): the function (any composition of functx
+            transforms, modules through `functional_call`, plain torch code). None:
+            returns a decorator taking the function.
+        static_argnums (int | tuple[int, ...], default ()): positions of arguments that
+            are Python values fixed at trace time (hashable; each distinct value traces
+            once).
+        backend (str | Callable | None, default None): None to replay the traced graph as
+            it is, or a torch.compile backend (`"inductor"`, a name from
+            `torch._dynamo.list_backends()`, a callable).
+        dynamic (bool, default False): trace with symbolic sizes (one trace for many
+            shapes) instead of one per shape.
+        debug (bool | None, default None): print each trace's cause and time (default: the
+            `FUNCTX_JIT_DEBUG` environment variable).
+        mode (str | None, default None): the compiler's mode, as torch.compile's
+            (`backend="inductor"`: `"max-autotune-no-cudagraphs"`).
+        options (dict | None, default None): the compiler's options, as torch.compile's
+            (`{"cpp_wrapper": True}`). With inductor, functx chooses the wrapper per graph
+            unless `cpp_wrapper` is given: C++ for CPU graphs of many small ops (a MAML
+            step, a small Hessian: 0.78-0.88x the Python wrapper's time, for a longer first
+            compile), inductor's Python wrapper otherwise. No settings with `backend=None`.
 
-    Usable as a decorator, bare or with arguments.
+    Returns:
+        Jitted: a callable like `fn` (its `traces` attribute counts the traces made), or,
+        with `fn=None`, a decorator returning one.
 
+    Raises:
+        TypeError: `fn` is not callable.
+        ValueError: `mode` or `options` with `backend=None`
+            ([error catalogue: functx.jit](../errors.md#functxjit)).
+        torch._dynamo.exc.InvalidBackend: an unknown backend name. A program
+            torch.compile refuses runs eagerly with an `EagerFallbackWarning`; one that keeps
+            retracing warns with a `RetraceWarning`.
+
+    Examples:
         >>> import torch, functx
         >>> @functx.jit(static_argnums=1)
         ... def power_sum(x, n):
         ...     return (x ** n).sum()
         >>> power_sum(torch.tensor([1.0, 2.0]), 3)
         tensor(9.)
+        >>> per_sample = functx.jit(functx.vmap(functx.grad(lambda w, x: (w @ x).tanh()), in_dims=(None, 0)))
+        >>> per_sample(torch.ones(3), torch.randn(4, 3)).shape, per_sample.traces
+        (torch.Size([4, 3]), 1)
+
+    Differences from torch.func:
+        torch.func has no `jit`; `torch.compile` of a torch.func program is the
+        comparison (benchmarks/staging_jit.py). functx.jit traces the transforms once with
+        dynamo, so a replay pays no Python dispatch per op.
     """
     if fn is None:
         return functools.partial(
