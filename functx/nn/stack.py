@@ -13,19 +13,28 @@ __all__ = ["stack_module_state"]
 
 
 def stack_module_state(models: Sequence[nn.Module] | nn.ModuleList) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Stack the parameters and the buffers of `models` along a new leading dim.
+    """Stack the parameters and the buffers of `models` along a new leading dimension: the
+    state of an ensemble, for `vmap(functional_call)` to run all models as one.
 
-    Returns `(params, buffers)`: dicts `{name: tensor of shape (M, *shape)}` with the
-    names of `models[0].named_parameters()` / `named_buffers()`. Every stacked tensor is
-    a new leaf, independent of the models (no shared memory, no autograd history);
-    stacked parameters require grad when the models' parameters do, so they can be
-    given to an optimizer directly. Same as `torch.func.stack_module_state`.
+    Args:
+        models (Sequence[torch.nn.Module] | torch.nn.ModuleList): models of one class, with
+            the same parameter and buffer names, shapes and dtypes, and every submodule in
+            the same training/eval mode.
 
-    The models must be of one class, with the same parameter and buffer names, shapes
-    and dtypes, and every submodule in the same training/eval mode; otherwise a
-    `RuntimeError` says which name or module differs.
+    Returns:
+        tuple[dict[str, Tensor], dict[str, Tensor]]: `(params, buffers)`, dicts
+        `{name: tensor of shape (M, *shape)}` with the names of
+        `models[0].named_parameters()` / `named_buffers()`. Every stacked tensor is a new
+        leaf, independent of the models (no shared memory, no autograd history); stacked
+        parameters require grad when the models' parameters do, so an optimizer can take
+        them directly.
 
-    Example:
+    Raises:
+        RuntimeError: no models, or models that differ (the message names the parameter,
+            buffer or module that differs)
+            ([error catalogue: modules](../errors.md#modules-functional_call-stack_module_state-make_functional-ensemble)).
+
+    Examples:
         >>> import torch, functx
         >>> models = [torch.nn.Linear(3, 2) for _ in range(5)]
         >>> params, buffers = functx.stack_module_state(models)
@@ -35,6 +44,14 @@ def stack_module_state(models: Sequence[nn.Module] | nn.ModuleList) -> tuple[dic
         ...     return functx.functional_call(models[0], (params, buffers), (x,))
         >>> functx.vmap(call, in_dims=(0, 0, None))(params, buffers, torch.randn(4, 3)).shape
         torch.Size([5, 4, 2])
+
+        Every model on its own minibatch:
+
+        >>> params, buffers = functx.stack_module_state(torch.nn.ModuleList(models))
+        >>> functx.vmap(call)(params, buffers, torch.randn(5, 4, 3)).shape
+        torch.Size([5, 4, 2])
+
+    Differences from torch.func: none (the same result and errors).
     """
     models = list(models)
     check_same_models(models, "stack_module_state")
