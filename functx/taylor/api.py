@@ -29,23 +29,28 @@ def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
     the other transforms inside it.
 
     Args:
-        fun: a function of tensors (pytrees of them) returning tensors (pytrees of them).
-        primals: a tuple with one entry per positional argument of `fun`.
-        series: a tuple with one entry per primal: a list of K coefficients, each shaped like
-            that primal (pytrees: like the primal's structure). All entries have the same K.
+        fun (Callable): a function of tensors (pytrees of them) returning tensors (pytrees
+            of them).
+        primals (Sequence): a tuple with one entry per positional argument of `fun`.
+        series (Sequence): a tuple with one entry per primal: a list of K coefficients, each
+            shaped like that primal (pytrees: like the primal's structure). All entries have
+            the same K.
 
     Returns:
-        `(primals_out, series_out)`: `fun(*primals)`, and the output's structure with a list
-        of K tensors at each leaf (zeros where the output does not move along the path).
+        tuple: `(primals_out, series_out)`: `fun(*primals)`, and the output's structure
+        with a list of K tensors at each leaf (zeros where the output does not move along
+        the path).
 
     Raises:
         TypeError: `primals` or `series` is not a tuple or list, or a leaf is not a floating
             tensor.
         ValueError: `primals` and `series` differ in length, the entries of `series` differ in
             K, or a coefficient's shape differs from its primal's.
-        RuntimeError: `fun` writes in place into a tensor with values on the path.
+        RuntimeError: `fun` writes in place into a tensor with values on the path
+            ([error catalogue: Taylor mode](../errors.md#taylor-mode-jet-laplacian-weighted_laplacian-bilaplacian)).
 
-    Example: the derivatives of sin along x(t) = x + t are sin's derivatives at x.
+    Examples:
+        The derivatives of sin along x(t) = x + t are sin's derivatives at x:
 
         >>> import torch, functx
         >>> x = torch.tensor(0.5, dtype=torch.float64)
@@ -53,13 +58,18 @@ def jet(fun: Callable, primals: Sequence, series: Sequence) -> tuple[Any, Any]:
         >>> torch.allclose(torch.stack([y1, y2, y3]), torch.stack([x.cos(), -x.sin(), -x.cos()]))
         True
 
-    A second coefficient of the input (a curved path) enters as the chain rule says:
-    `d^2/dt^2 f(x(t)) = f''(x) x1^2 + f'(x) x2`.
+        A second coefficient of the input (a curved path) enters as the chain rule says:
+        `d^2/dt^2 f(x(t)) = f''(x) x1^2 + f'(x) x2`.
 
         >>> f = lambda x: x ** 3
         >>> _, (y1, y2) = functx.jet(f, (torch.tensor(2.0),), ([torch.tensor(1.0), torch.tensor(3.0)],))
         >>> y1.item(), y2.item()   # 3 x^2 x1, 6 x x1^2 + 3 x^2 x2
         (12.0, 48.0)
+
+    Differences from torch.func:
+        torch.func has no Taylor mode; functx.jet has the semantics of JAX's
+        `jax.experimental.jet.jet`, as an interpreter level that composes with functx's
+        other transforms.
     """
     if not isinstance(primals, (tuple, list)) or not isinstance(series, (tuple, list)):
         raise TypeError(
