@@ -185,25 +185,42 @@ def weighted_laplacian(
     the columns of `sigma` (or, with `samples`, along `sigma v` for S random v).
 
     Args:
-        func: a function of tensors returning a tensor.
-        sigma: a (D, R) tensor (D the argument's number of elements), or a function of the
-            argument returning one (a state-dependent diffusion).
-        argnums, samples, distribution, generator: as `functx.laplacian`.
+        func (Callable): a function of tensors returning a tensor.
+        sigma (Tensor | Callable): a (D, R) tensor (D the argument's number of elements),
+            or a function of the argument returning one (a state-dependent diffusion).
+        argnums (int, default 0): the argument to differentiate in, as `functx.laplacian`'s.
+        samples (int | None, default None): None for the exact operator (the R columns of
+            `sigma`); an int S for the estimator along `sigma v` for S random v.
+        distribution (str, default "rademacher"): the random v, as `functx.laplacian`'s.
+        generator (torch.Generator | None, default None): the generator of the random v.
 
     Returns:
-        A function taking `func`'s arguments and returning `trace(sigma sigma^T H)`, shaped
-        like `func`'s output.
+        Callable: a function taking `func`'s arguments and returning
+        `trace(sigma sigma^T H)`, shaped like `func`'s output.
 
     Raises:
-        ValueError: `sigma` is not (D, R) for the argument's D elements; bad `samples`.
+        ValueError: `sigma` is not (D, R) for the argument's D elements; bad `samples`
+            ([error catalogue: Taylor mode](../errors.md#taylor-mode-jet-laplacian-weighted_laplacian-bilaplacian)).
+        TypeError: as `functx.laplacian`.
 
-    Example:
+    Examples:
 
         >>> import torch, functx
         >>> f = lambda x: x[0] ** 2 * x[1]
         >>> sigma = torch.tensor([[1.0, 0.0], [1.0, 1.0]])   # H = [[2 x1, 2 x0], [2 x0, 0]]
         >>> functx.weighted_laplacian(f, sigma)(torch.tensor([1.0, 2.0]))   # 2 x1 + 4 x0
         tensor(8.)
+
+        A state-dependent diffusion, and `sigma = I` giving the Laplacian:
+
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> functx.weighted_laplacian(f, lambda x: torch.diag(x))(x)   # x0^2 H00 = 2 x0^2 x1
+        tensor(4.)
+        >>> torch.allclose(functx.weighted_laplacian(f, torch.eye(2))(x), functx.laplacian(f)(x))
+        True
+
+    Differences from torch.func:
+        torch.func has no weighted Laplacian; its route is the Hessian and a weighted trace.
     """
     return _operator(func, argnums, False, samples, distribution, generator, "weighted_laplacian", sigma)
 
@@ -221,18 +238,36 @@ def bilaplacian(
     `samples`, the unbiased estimate from S Gaussian directions (E[D^4 f[v^4]] / 3).
 
     Args:
-        func, argnums, value_and_grad, generator: as `functx.laplacian`.
-        samples: None for the exact bi-Laplacian; an int S for the Gaussian estimator.
+        func (Callable): a function of tensors returning a tensor.
+        argnums (int, default 0): the argument to differentiate in.
+        value_and_grad (bool, default False): also return the value and the gradient from
+            the same pass (exact bi-Laplacian only).
+        samples (int | None, default None): None for the exact bi-Laplacian; an int S for
+            the Gaussian estimator.
+        generator (torch.Generator | None, default None): the generator of the Gaussian
+            directions.
 
     Returns:
-        A function returning the bi-Laplacian, or `(bilaplacian, value, gradient)`.
+        Callable: a function returning the bi-Laplacian (shaped like `func`'s output), or
+        `(bilaplacian, value, gradient)` with `value_and_grad=True`.
 
-    Example:
+    Raises:
+        TypeError, ValueError: as `functx.laplacian`
+            ([error catalogue: Taylor mode](../errors.md#taylor-mode-jet-laplacian-weighted_laplacian-bilaplacian)).
+
+    Examples:
 
         >>> import torch, functx
         >>> f = lambda x: (x[0] * x[1]) ** 2 + x[2] ** 4
         >>> functx.bilaplacian(f)(torch.tensor([1.0, 2.0, 3.0]))   # 2 * 4 + 24
         tensor(32.)
+        >>> g = lambda x: (x ** 4).sum()   # the Laplacian of the Laplacian: 24 per element
+        >>> functx.bilaplacian(g)(torch.ones(3)), functx.laplacian(functx.laplacian(g))(torch.ones(3))
+        (tensor(72.), tensor(72.))
+
+    Differences from torch.func:
+        torch.func has no bi-Laplacian; its route nests Hessians (fourth derivatives, D^2
+        Hessians of Hessian-vector products).
     """
     return _operator(func, argnums, value_and_grad, samples, "gaussian", generator, "bilaplacian", None)
 
