@@ -23,13 +23,35 @@ ragged = "error"
 
 def set_vmap_fallback(mode: str, *, ragged: str | None = None) -> None:
     """Choose what vmap does for an op that has neither a rule nor a decomposition, and for
-    a function that needs each sample's Python value (`mode`); `ragged` ("error" or
-    "nested"; None keeps the current choice): what the per-sample run returns for an output
-    whose shape differs between samples.
+    a function that needs each sample's Python value (`.item()`, a Python `if` on a value).
 
-    Example:
-        >>> import functx
-        >>> functx.set_vmap_fallback("error"); functx.set_vmap_fallback("warn")
+    Args:
+        mode (str): "warn" (the default: run once per sample, with one
+            `functx.PerformanceWarning` per op), "silent" (the same, without the warning) or
+            "error" (raise, as torch.func does).
+        ragged (str | None, default None): what the per-sample run returns for an output
+            whose shape differs between samples: "error" or "nested" (a nested tensor);
+            None keeps the current choice.
+
+    Returns:
+        None. The choice holds for the process (`functx.vmap_fallback` scopes it).
+
+    Raises:
+        ValueError: a mode or ragged value not among the choices
+            ([error catalogue: configuration](../errors.md#configuration-and-extension)).
+
+    Examples:
+        >>> import functx, torch
+        >>> functx.set_vmap_fallback("error")
+        >>> try:
+        ...     functx.vmap(lambda x: x * 2 if x.sum() > 0 else x)(torch.ones(2, 2))
+        ... except RuntimeError as error:  # names the op or the value read, and how to vectorize
+        ...     print(isinstance(error, RuntimeError))
+        True
+        >>> functx.set_vmap_fallback("warn")  # back to the default
+
+    Differences from torch.func:
+        torch.func has no fallback: it raises where functx, by default, runs per sample.
     """
     global fallback
     if mode not in _FALLBACK_MODES:

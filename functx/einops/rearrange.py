@@ -27,14 +27,19 @@ def rearrange(tensor, pattern: str, **axes_lengths: int) -> torch.Tensor:
     tuple of tensors is stacked first (a new leading dimension).
 
     Args:
-        tensor: a tensor, or a sequence of tensors of one shape.
-        pattern: the rearrangement pattern.
-        axes_lengths: lengths of axes, by name.
+        tensor (Tensor | Sequence[Tensor]): a tensor, or a sequence of tensors of one shape.
+        pattern (str): the rearrangement pattern.
+        **axes_lengths (int): lengths of axes, by name.
 
     Returns:
-        The rearranged tensor (a view of `tensor` where possible).
+        Tensor: the rearranged tensor (a view of `tensor` where possible).
 
-    Example:
+    Raises:
+        ValueError: a malformed pattern, an axis on one side only, a rank or length that
+            does not fit ([error catalogue: rearrange](../errors.md#rearrange)).
+        TypeError: an axis length that is not an int.
+
+    Examples:
         >>> import torch, functx
         >>> images = torch.randn(32, 30, 40, 3)  # b h w c
         >>> functx.rearrange(images, "b h w c -> b c h w").shape
@@ -47,6 +52,11 @@ def rearrange(tensor, pattern: str, **axes_lengths: int) -> torch.Tensor:
         torch.Size([30, 80, 3])
         >>> functx.rearrange(images, "b ... c -> b (...) c").shape
         torch.Size([32, 1200, 3])
+
+    Differences from torch.func:
+        The same patterns as functorch's `rearrange`. The parsed plan is cached per rank,
+        pattern and axis lengths with their types, so `b=3.0` is refused on every call
+        (functorch's cache, keyed on values, accepts it after a call with `b=3`).
     """
     if not isinstance(tensor, torch.Tensor):
         tensor = torch.stack(tensor)
