@@ -87,15 +87,37 @@ def explain(func: Callable) -> Callable[..., Explanation]:
     """`explain(f)(*args, **kwargs)` runs `f(*args, **kwargs)` once and returns an
     `Explanation` of how each op ran at functx's levels (rule, template, decomposition,
     per-sample loop) and which vmapped functions fell back to one call per sample, with
-    your source lines. `f` is usually a transformed function (`functx.vmap(model)`).
+    your source lines.
 
-    Example:
+    Args:
+        func (Callable): the function to run, usually a transformed one
+            (`functx.vmap(model)`, `functx.vmap(functx.grad(loss))`).
+
+    Returns:
+        Callable[..., Explanation]: a function of `func`'s arguments that runs it once and
+        returns an `Explanation`: `output` (what `func` returned), `rows` (per level and
+        op: how it ran, how often, and your source line), `fallbacks` (the vmapped
+        functions that ran once per sample, and why) and `vectorized` (no loop anywhere).
+        `print(report)` shows it as a table.
+
+    Raises:
+        Exception: whatever `func` raises (explain runs it as a call would); the reasons
+            vmap loops are the rows of the error catalogue's
+            [vmap inside the function](../errors.md#vmap-inside-the-function) section.
+
+    Examples:
         >>> import torch, functx
         >>> report = functx.explain(functx.vmap(lambda x: x @ x))(torch.randn(3, 2))
         >>> [(row.level, row.op, row.how) for row in report.rows]
         [('vmap', 'aten::dot', 'rule')]
-        >>> report.output.shape
-        torch.Size([3])
+        >>> report.output.shape, report.vectorized
+        (torch.Size([3]), True)
+        >>> branchy = functx.explain(functx.vmap(lambda x: x * 2 if x.sum() > 0 else -x))(torch.randn(4, 2))
+        >>> branchy.vectorized, len(branchy.fallbacks)
+        (False, 1)
+
+    Differences from torch.func:
+        torch.func has no explain: where it cannot vectorize it raises.
     """
 
     def explained(*args, **kwargs) -> Explanation:

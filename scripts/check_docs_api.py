@@ -14,7 +14,7 @@ Fails (exit 1, naming them) when
 - a directive names an object by a path that is also a submodule's (`::: functx.vmap`: the
   function at run time, the package functx/vmap/ to the docs generator, which reads the
   source), so the page would show the module;
-- a name with a full reference entry (`FULL_REFERENCE`: the nine core transforms, functional_call, stack_module_state, functionalize, jit, jet, the three Laplacians, rearrange and set_vmap_fallback so far)
+- a name with a full reference entry (`FULL_REFERENCE`: the nine core transforms, functional_call, stack_module_state, functionalize, jit, jet, the three Laplacians, rearrange, set_vmap_fallback and explain so far)
   lacks one of its sections: Args (every parameter named, with its type), Returns, Raises
   (linking the error catalogue), Examples (at least two `>>>` lines that call it), and
   "Differences from torch.func". The other names are listed as still to write.
@@ -62,7 +62,7 @@ def public_api() -> dict[str, object]:
 
 
 # Names whose docstrings are full reference entries (issue 32); the rest get theirs next.
-FULL_REFERENCE = ("vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functional_call", "functionalize", "jit", "stack_module_state", "jet", "laplacian", "weighted_laplacian", "bilaplacian", "rearrange", "set_vmap_fallback")
+FULL_REFERENCE = ("vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functional_call", "functionalize", "jit", "stack_module_state", "jet", "laplacian", "weighted_laplacian", "bilaplacian", "rearrange", "set_vmap_fallback", "explain")
 SECTIONS = ("Args:", "Returns:", "Raises:", "Examples:", "Differences from torch.func")
 
 
