@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from typing import Any, Optional
 
 import torch
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
-from ..core.torch_function import CallHandler
-
-from typing import Any, Optional
 
 from ..core import pytree
+from ..core.torch_function import CallHandler
 from ..core.type_aliases import Argnums, Function
 from ..core.custom_function import in_function_body
 from ..core.control_flow import any_sample

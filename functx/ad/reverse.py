@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Optional
 
 import torch
 
-from typing import Any, Optional
-
 from ..core import pytree
-from ..core.type_aliases import Argnums, Function
 from ..core.errors import user_facing
+from ..core.type_aliases import Argnums, Function
 from ..core.interpreter import functx_code, interpreting
 from ..vmap import vmap
 from .arguments import (

@@ -79,7 +79,10 @@ def _tracked_by_the_caller(tensors) -> bool:
     """Whether the caller's autograd tracks what the one reverse level records: under a
     wrapped level's wrapper, a value that requires grad; for a direct level (on torch's
     autograd, under vmap's wrappers), a graph reaching a leaf that is not the level's own."""
-    (level,) = [level for level in current_stack() if isinstance(level, ADLevel)]
+    levels = [level for level in current_stack() if isinstance(level, ADLevel)]
+    if len(levels) != 1:  # a checkpoint's recomputation outside the transform: decided as of its first run
+        return True  # (the formula is right at every order; only the chunked op's memory is given up)
+    (level,) = levels
     if isinstance(level, DirectGradLevel):
         return _reaches_outside([recorded_at(level, level.vmap_levels, t) for t in tensors], [], level)
     values = [t._value if isinstance(t, LevelTensor) and t._interp is level else t for t in tensors]
@@ -100,9 +103,13 @@ def _loss(input, linear_weight, target, linear_bias, weight, reduction, ignore_i
 
 def _cross_entropy_of_linear(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, *rest):
     """The scalar operator's outputs: the loss by `_loss`, and its gradient outputs from the
-    operator itself, as constants (its caller, `F.linear_cross_entropy`, reads the loss)."""
+    operator itself, as constants (its caller, `F.linear_cross_entropy`, reads the loss).
+    Where its caller asked for no gradient (forward mode: `compute_*_grad` False) those
+    outputs are the op's empty tensors, made here instead of by a second pass of the op."""
     acc_dtype = rest[2]
     loss = _loss(input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, acc_dtype)
+    if not any(rest[-3:]):  # compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad
+        return loss, input.new_empty((0, 0)), input.new_empty((0, 0)), input.new_empty((0,))
     constants = [a.detach() if isinstance(a, torch.Tensor) else a for a in (input, linear_weight, target, linear_bias, weight)]
     with torch.no_grad(), torch.autograd.forward_ad._set_fwd_grad_enabled(False):
         _, *gradients = _CHUNKED(*constants, reduction, ignore_index, label_smoothing, *rest)

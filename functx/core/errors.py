@@ -1,5 +1,6 @@
 """Errors and warnings that functx raises, in one place so messages stay consistent."""
 
+import functools
 import os
 import warnings
 from types import FrameType
@@ -162,8 +163,6 @@ def user_facing(function):
         >>> frames  # the caller, the wrapper, and `checked` (the user's own code, so it stays)
         ['<module>', 'call', 'checked']
     """
-    import functools
-
     @functools.wraps(function)
     def call(*args, **kwargs):
         __tracebackhide__ = True  # noqa: F841  (pytest: hide this frame too)

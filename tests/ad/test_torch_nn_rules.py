@@ -172,3 +172,23 @@ def test_property_random_points_and_transforms(config, transform, seed, scale):
         expected = torch.autograd.functional.vhp(plain_of_x, x, tx)[1].mul(tx).sum()
     torch.testing.assert_close(got, expected)
     assert math.isfinite(float(got.sum()))
+
+
+def test_checkpointed_under_grad_with_the_callers_gradient_and_hessian():
+    """A checkpoint recomputes the op in the backward, with the decision of its first run
+    (ad/aten_reverse_rules.py `_capture_decision`): the caller's gradient of a functx
+    gradient, and the Hessian, through a checkpointed chunked loss."""
+    from torch.utils.checkpoint import checkpoint
+
+    chunked, plain = _losses(CONFIGS["mean"])
+    x, w, _, _ = _point()
+    loss = lambda w: checkpoint(lambda w: chunked(x, w), w, use_reentrant=False)  # noqa: E731
+    tracked = w.clone().requires_grad_()
+    gradient = functx.grad(loss)(tracked)
+    (caller,) = torch.autograd.grad(gradient.pow(2).sum(), tracked)
+    leaf = w.clone().requires_grad_()
+    (expected_gradient,) = torch.autograd.grad(plain(x, leaf), leaf, create_graph=True)
+    (expected_caller,) = torch.autograd.grad(expected_gradient.pow(2).sum(), leaf)
+    torch.testing.assert_close(gradient.detach(), expected_gradient.detach())
+    torch.testing.assert_close(caller, expected_caller)
+    torch.testing.assert_close(functx.hessian(loss)(w), torch.autograd.functional.hessian(lambda w: plain(x, w), w))
