@@ -56,6 +56,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .ad import collectives as _forward_rules  # noqa: F401  (the collectives' forward-mode rules)
+from .dp import _check_clip_arguments
 from .vmap.rules import collectives as _batching_rules  # noqa: F401  (the collectives' batching rules)
 
 if not dist.is_available():  # pragma: no cover - torch built without distributed support
@@ -115,35 +116,59 @@ def clipped_grad(
     gradient in one buffer per dtype), and the noise is drawn by the group's first rank from
     its `generator` (the other ranks' generators are not used) and added before the
     all-reduce, so it is added once and every rank ends with the same gradient. Divide by
-    the global batch size yourself, as with `functx.dp.clipped_grad`.
-
-    Call it on every rank of `group`, with the same `max_norm`, `noise_multiplier`, `method`
-    and the same model (the same parameters on every rank: DP-SGD steps keep them so).
+    the global batch size yourself, as with `functx.dp.clipped_grad`. Call it on every rank
+    of `group`, with the same `max_norm`, `noise_multiplier`, `method` and the same model
+    (the same parameters on every rank: DP-SGD steps keep them so).
 
     Args:
-        module, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, params: as
-            for `functx.dp.clipped_grad`, for this rank's slice of the batch.
-        group: the process group (default: the default group).
-        method: "kernels" (default): `functx.dp.clipped_grad`, which never materialises the
-            per-sample gradients (its per-layer kernels; layers it has none for go by `vmap`
-            of their own vjp). "vmap": per-sample gradients by `functx.vmap(functx.grad(...))`
-            of the module called on one sample at a time (a batch of one), clipped and summed:
-            for models `functx.dp.clipped_grad` refuses (a parameter used outside its
-            module's forward, a layer that does not keep the batch first). Both give the same
-            gradient.
+        module (torch.nn.Module): the model, as for `functx.dp.clipped_grad`.
+        loss_fn (Callable): `loss_fn(module(*inputs), targets)` -> one loss per sample,
+            shape (B_local,) (`reduction="none"`).
+        inputs (Tensor | tuple): this rank's slice of the batch: a tensor or a tuple of
+            positional arguments of the forward, batch first.
+        targets (Any): this rank's targets, passed to `loss_fn` as they are.
+        max_norm (float): the clipping norm C (keyword-only), > 0.
+        noise_multiplier (float, default 0.0): σ, >= 0; 0 for no noise.
+        generator (torch.Generator | None, default None): for the noise; read on the group's
+            first rank only (None: that rank's global generator).
+        params (dict[str, Tensor] | None, default None): functional state instead of the
+            module's own parameters, as for `functx.dp.clipped_grad`.
+        group (torch.distributed.ProcessGroup | None, default None): the process group;
+            None: the default group.
+        method (str, default "kernels"): "kernels": `functx.dp.clipped_grad`, which never
+            materialises the per-sample gradients (its per-layer kernels; layers it has none
+            for go by `vmap` of their own vjp). "vmap": per-sample gradients by
+            `functx.vmap(functx.grad(...))` of the module called on one sample at a time (a
+            batch of one), clipped and summed: for models `functx.dp.clipped_grad` refuses (a
+            parameter used outside its module's forward, a layer that does not keep the
+            batch first). Both give the same gradient.
 
     Returns:
-        (grads, norms): parameter name -> the summed, clipped, noised gradient (the same on
-        every rank); and this rank's (B_local,) per-sample gradient norms before clipping
-        (not gathered: gather them with `torch.distributed.all_gather` if needed).
+        tuple[dict[str, Tensor], Tensor]: `(grads, norms)`: parameter name -> the summed,
+        clipped, noised gradient (the same on every rank); and this rank's (B_local,)
+        per-sample gradient norms before clipping (not gathered: gather them with
+        `torch.distributed.all_gather` if needed).
 
     Raises:
-        RuntimeError: when torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised (no default process group).
+        TypeError: `group` is not a `ProcessGroup`; `params` is not a dict.
+        ValueError: `method` is not "kernels" or "vmap"; `max_norm` is not a positive number
+            or `noise_multiplier` is not a number >= 0 (a bool, None or NaN is refused;
+            checked before any work, for either method); with `method="vmap"`, a loss not
+            of shape (1,) for a batch of one, a BatchNorm in training mode, or `inputs`
+            without a tensor
+            ([error catalogue: functx.distributed](../errors.md#functxdistributed)).
+            With `method="kernels"`, every error of `functx.dp.clipped_grad`
+            ([error catalogue: functx.dp.clipped_grad](../errors.md#functxdpclipped_grad)).
 
-    Example (a world of one process; under torchrun the same code runs on every rank):
+    Examples:
+        A world of one process (under torchrun the same code runs on every rank, each with
+        its own slice of the batch): the result is `functx.dp.clipped_grad`'s, noise included.
+
         >>> import torch, torch.distributed as dist, functx
         >>> import torch.nn.functional as F
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
         >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
         >>> loss = lambda out, y: F.cross_entropy(out, y, reduction="none")
@@ -153,15 +178,30 @@ def clipped_grad(
         ...     noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
         >>> all(torch.allclose(grads[n], single[n]) for n in single), norms.shape
         (True, torch.Size([16]))
+
+        `method="vmap"` gives the same gradient from materialised per-sample gradients:
+
+        >>> by_vmap, _ = functx.distributed.clipped_grad(model, loss, x, y, max_norm=1.0,
+        ...     noise_multiplier=1.0, generator=torch.Generator().manual_seed(0), method="vmap")
+        >>> all(torch.allclose(grads[n], by_vmap[n], atol=1e-6) for n in grads)
+        True
         >>> dist.destroy_process_group()
+
+    Differences from torch.func:
+        torch.func has no DP-SGD and no distributed API. With torch.func each rank computes
+        per-sample gradients with `vmap(grad(...))`, clips and sums them, all-reduces every
+        gradient with `torch.distributed.all_reduce`, and adds the noise on one rank (or uses
+        Opacus's `DifferentiallyPrivateDistributedDataParallel`). This function does it with
+        one all-reduce of a flat buffer, draws the noise once on the group's first rank, and
+        gives the gradient `functx.dp.clipped_grad` gives on the whole batch in one process.
     """
     group = _process_group(group, "clipped_grad")
+    _check_clip_arguments(max_norm, noise_multiplier, "functx.distributed.clipped_grad")  # before any work
     if method == "kernels":
         from . import dp
 
         sums, norms = dp.clipped_grad(module, loss_fn, inputs, targets, max_norm=max_norm, params=params)
     elif method == "vmap":
-        _check_clip_arguments(max_norm, noise_multiplier, "clipped_grad")
         sums, norms = _vmap_clipped_sums(module, loss_fn, inputs, targets, max_norm, params)
     else:
         raise ValueError(f"functx.distributed.clipped_grad: method must be 'kernels' or 'vmap', got {method!r}")
@@ -187,28 +227,57 @@ def noised_sum(
     `functx.dp.clipped_grad` draws it, so the noise equals the one-process noise for the same
     `generator` seed) and adds it to its own sums before the all-reduce. Only that rank's
     `generator` (or, with None, its global generator) advances: pass a dedicated generator
-    if other code relies on the ranks' global generators staying in step.
+    if other code relies on the ranks' global generators staying in step. Call it on every
+    rank of `group`.
 
     Args:
-        sums: name -> this rank's clipped sum (the same names, shapes and dtypes on every rank).
-        max_norm: the clipping norm C; noise_multiplier: σ (0: no noise).
-        generator: for the noise (used on the group's first rank).
-        group: the process group (default: the default group).
+        sums (dict[str, Tensor]): name -> this rank's clipped sum (the same names, order,
+            shapes and dtypes on every rank).
+        max_norm (float): the clipping norm C (keyword-only), > 0.
+        noise_multiplier (float, default 0.0): σ, >= 0; 0 for no noise.
+        generator (torch.Generator | None, default None): for the noise; read on the group's
+            first rank only (None: that rank's global generator).
+        group (torch.distributed.ProcessGroup | None, default None): the process group;
+            None: the default group.
 
     Returns:
-        A new dict (the caller's tensors are not changed): name -> the total, in the order of
-        `sums`; the tensors are views of the reduced buffer.
+        dict[str, Tensor]: a new dict (the caller's tensors are not changed): name -> the
+        total, in the order of `sums`; the tensors are views of the reduced buffer.
 
-    Example (a world of one process):
+    Raises:
+        RuntimeError: torch.distributed is not initialised (no default process group).
+        TypeError: `group` is not a `ProcessGroup`; `sums` is not a dict of tensors.
+        ValueError: `max_norm` is not a positive number or `noise_multiplier` is not a
+            number >= 0 (a bool, None or NaN is refused)
+            ([error catalogue: functx.distributed](../errors.md#functxdistributed)).
+
+    Examples:
+        A world of one process, where the total is the rank's own sums:
+
         >>> import torch, torch.distributed as dist, functx
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> total = functx.distributed.noised_sum({"w": torch.ones(2, 3)}, max_norm=1.0)
+        >>> sums = {"w": torch.ones(2, 3)}
+        >>> total = functx.distributed.noised_sum(sums, max_norm=1.0)
         >>> total["w"].tolist()
         [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+
+        The noise is σ·C times standard normal numbers drawn from `generator`:
+
+        >>> noisy = functx.distributed.noised_sum(sums, max_norm=2.0, noise_multiplier=0.5,
+        ...                                       generator=torch.Generator().manual_seed(0))
+        >>> noise = 1.0 * torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+        >>> torch.allclose(noisy["w"], sums["w"] + noise), sums["w"].sum().item()  # sums unchanged
+        (True, 6.0)
         >>> dist.destroy_process_group()
+
+    Differences from torch.func:
+        torch.func has no distributed API. A torch.func user all-reduces each clipped sum
+        with `torch.distributed.all_reduce` (one call per tensor, in place) and adds noise on
+        one rank by hand. `noised_sum` does one all-reduce per dtype and device, leaves the
+        caller's tensors unchanged, and draws the noise as `functx.dp.clipped_grad` does.
     """
     group = _process_group(group, "noised_sum")
-    _check_clip_arguments(max_norm, noise_multiplier, "noised_sum")
+    _check_clip_arguments(max_norm, noise_multiplier, "functx.distributed.noised_sum")
     if not isinstance(sums, dict) or not all(isinstance(g, Tensor) for g in sums.values()):
         raise TypeError("functx.distributed.noised_sum: sums must be a dict of parameter name -> tensor")
     buffers: dict = {}  # (dtype, device) -> [names]
@@ -231,13 +300,6 @@ def noised_sum(
     for buffer in flat.values():
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
     return out
-
-
-def _check_clip_arguments(max_norm, noise_multiplier, api: str) -> None:
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
-        raise ValueError(f"functx.distributed.{api}: max_norm must be a positive number, got {max_norm!r}")
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) or noise_multiplier < 0:
-        raise ValueError(f"functx.distributed.{api}: noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
 
 
 def _vmap_clipped_sums(module, loss_fn, inputs, targets, max_norm, params):
@@ -315,19 +377,39 @@ def shard_ensemble_state(state, rank: int | None = None, world_size: int | None 
     `torch.tensor_split(range(M), world_size)[rank]` (contiguous, in rank order; when M is
     not a multiple of the world size the first ranks get one member more).
 
-    `state` is a pytree of stacked tensors whose dim 0 is the member (the `(params, buffers)`
-    of `functx.stack_module_state` or `functx.nn.vmap_init`, a dict, ...): the result has
-    the same structure with each tensor sliced and copied into a new leaf (`requires_grad`
-    as the original's), ready for an optimizer. A `functx.nn.Ensemble` gives a new
-    `Ensemble` of its local members (same `in_dims` and `randomness`). Every rank must build
-    the same full state first (e.g. the same seed), or load it.
+    The result has the structure of `state` with each tensor sliced and copied into a new
+    leaf (`requires_grad` as the original's), ready for an optimizer. A
+    `functx.nn.Ensemble` gives a new `Ensemble` of its local members (same `in_dims` and
+    `randomness`). Every rank must build the same full state first (e.g. the same seed), or
+    load it. With `rank` and `world_size` given the function is pure (no process group
+    needed). Gather the members' predictions with `gather_predictions`.
 
-    `rank` and `world_size` default to those of the default process group; with both given
-    the function is pure (no process group needed). Gather the members' predictions with
-    `gather_predictions`.
+    Args:
+        state (Any): a pytree of stacked tensors whose dim 0 is the member (the
+            `(params, buffers)` of `functx.stack_module_state` or `functx.nn.vmap_init`, a
+            dict, a tensor), all with the same member count M, or a `functx.nn.Ensemble`.
+        rank (int | None, default None): this rank, 0 <= rank < world_size; None: the
+            default process group's rank.
+        world_size (int | None, default None): the number of ranks, at most M; None: the
+            default process group's size. Give both `rank` and `world_size`, or neither.
 
-    Example:
+    Returns:
+        Any: `state`'s structure with this rank's members (a new `Ensemble` for an
+        `Ensemble`).
+
+    Raises:
+        RuntimeError: neither `rank` nor `world_size` given and torch.distributed is not
+            initialised.
+        TypeError: `rank` or `world_size` is not an int (a bool counts as not); a leaf of
+            `state` is not a tensor.
+        ValueError: only one of `rank` and `world_size` given; not 0 <= rank < world_size;
+            `state` holds no tensors; a 0-dim tensor, or tensors with different member
+            counts; fewer members than ranks
+            ([error catalogue: functx.distributed](../errors.md#functxdistributed)).
+
+    Examples:
         >>> import torch, functx
+        >>> _ = torch.manual_seed(0)
         >>> models = [torch.nn.Linear(3, 2) for _ in range(5)]
         >>> params, buffers = functx.stack_module_state(models)
         >>> mine, _ = functx.distributed.shard_ensemble_state((params, buffers), rank=1, world_size=2)
@@ -335,6 +417,26 @@ def shard_ensemble_state(state, rank: int | None = None, world_size: int | None 
         (torch.Size([2, 2, 3]), True)
         >>> mine["weight"].is_leaf, mine["weight"].requires_grad
         (True, True)
+
+        The ranks' slices are contiguous and cover the members in order:
+
+        >>> slices = [functx.distributed.shard_ensemble_state(params, r, 3)["bias"] for r in range(3)]
+        >>> [len(s) for s in slices], torch.equal(torch.cat(slices), params["bias"])
+        ([2, 2, 1], True)
+
+        An `Ensemble` gives an `Ensemble` of the local members:
+
+        >>> ensemble = functx.nn.Ensemble(models)
+        >>> local = functx.distributed.shard_ensemble_state(ensemble, rank=0, world_size=2)
+        >>> len(local), torch.allclose(local(torch.ones(1, 3)), ensemble(torch.ones(1, 3))[:3])
+        (3, True)
+
+    Differences from torch.func:
+        torch.func has no distributed API. A torch.func user slices the stacked state of
+        `torch.func.stack_module_state` by hand (`t[start:stop]` per tensor, then detached
+        copies for an optimizer). `shard_ensemble_state` picks the slice from the process
+        group (or `rank` / `world_size`), copies it into new leaves, and also shards a
+        `functx.nn.Ensemble`.
     """
     if rank is None or world_size is None:
         if rank is not None or world_size is not None:
@@ -355,7 +457,8 @@ def shard_ensemble_state(state, rank: int | None = None, world_size: int | None 
         params, buffers = shard_ensemble_state(
             (dict(module.named_parameters()), dict(module.named_buffers())), rank, world_size
         )
-        return Ensemble.from_state(module, params, buffers, in_dims=state.in_dims, randomness=state.randomness)
+        # one member is the template: it has the members' shapes (the stacked module has N more)
+        return Ensemble.from_state(state.member(0), params, buffers, in_dims=state.in_dims, randomness=state.randomness)
     leaves = optree.tree_leaves(state)
     if not leaves:
         raise ValueError("functx.distributed.shard_ensemble_state: the state holds no tensors")
@@ -390,18 +493,62 @@ def gather_predictions(local, group: dist.ProcessGroup | None = None, dim: int =
     """The predictions of every rank's members, concatenated along `dim` in rank order: with
     `shard_ensemble_state`'s slices, the predictions of the whole ensemble in member order.
 
-    `local` is a tensor or a pytree of tensors (one member per index of `dim`); ranks may
-    hold different numbers of members, every other dim must agree. The result is the same on
-    every rank and is differentiable (as `torch.distributed._functional_collectives`'
+    Ranks may hold different numbers of members; every other dim must agree. The result is
+    the same on every rank and is differentiable (as `torch.distributed._functional_collectives`'
     all-gather: the gradient that reaches each rank's `local` is the sum of every rank's).
     Call it on every rank of `group`.
 
-    Example (a world of one process):
+    Args:
+        local (Tensor | pytree of Tensor): this rank's predictions, one member per index of
+            `dim`; each rank gives the same structure, with the same dtypes and the same
+            sizes except along `dim`.
+        group (torch.distributed.ProcessGroup | None, default None): the process group;
+            None: the default group.
+        dim (int, default 0): the members' dim (negative counts from the end).
+
+    Returns:
+        Tensor | pytree of Tensor: `local`'s structure, each tensor the concatenation along
+        `dim` of every rank's, in rank order.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (no default process group).
+        TypeError: `group` is not a `ProcessGroup`; `local` is not a tensor or a non-empty
+            pytree of tensors.
+        IndexError: `dim` is out of range for a tensor of `local`.
+        ValueError: the ranks' predictions differ in structure, dtype, or a size other than
+            along `dim` (raised on every rank)
+            ([error catalogue: functx.distributed](../errors.md#functxdistributed)).
+
+    Examples:
+        A world of one process, where the gathered predictions are the rank's own:
+
         >>> import torch, torch.distributed as dist, functx
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> functx.distributed.gather_predictions(torch.ones(2, 5, 3)).shape
-        torch.Size([2, 5, 3])
+        >>> _ = torch.manual_seed(0)
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> params, buffers = functx.distributed.shard_ensemble_state(functx.stack_module_state(models))
+        >>> predict = lambda p, b: torch.func.functional_call(models[0], (p, b), (torch.ones(5, 3),))
+        >>> local = torch.func.vmap(predict)(params, buffers)
+        >>> gathered = functx.distributed.gather_predictions(local)
+        >>> gathered.shape, torch.allclose(gathered[2], models[2](torch.ones(5, 3)))
+        (torch.Size([4, 5, 2]), True)
+
+        A pytree, members on dim 1; the gradient flows back to `local`:
+
+        >>> mean = torch.ones(2, 4, requires_grad=True)
+        >>> out = functx.distributed.gather_predictions({"mean": mean, "logits": torch.zeros(3, 4, 5)}, dim=1)
+        >>> out["mean"].shape, out["logits"].shape
+        (torch.Size([2, 4]), torch.Size([3, 4, 5]))
+        >>> torch.autograd.grad(3 * out["mean"].sum(), mean)[0][0].tolist()
+        [3.0, 3.0, 3.0, 3.0]
         >>> dist.destroy_process_group()
+
+    Differences from torch.func:
+        torch.func has no distributed API. A torch.func user gathers tensor by tensor, with
+        `torch.distributed.all_gather` (into tensors the caller allocates, no gradient) or
+        `torch.distributed._functional_collectives.all_gather_tensor` (the same size on every
+        rank). `gather_predictions` takes pytrees and different member counts per rank,
+        checks that the ranks agree, and is differentiable.
     """
     group = _process_group(group, "gather_predictions")
     leaves, spec = optree.tree_flatten(local)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .kernels import layer_gradients
+from .kernels.per_sample import _layer_gradients
 
 _CROSS_SAMPLE = (nn.modules.batchnorm._BatchNorm,)
 NOISE_CHUNK = 1 << 16  # elements of noise drawn at a time (a chunk is the transient memory)
@@ -41,44 +41,99 @@ def clipped_grad(
     per parameter, where g_b is the gradient of sample b's loss, and the per-sample norms ‖g_b‖.
 
     Equal to `vmap(grad)` per-sample gradients clipped and summed (the clip factor is
-    `max_norm / (‖g_b‖ + 1e-6)`, at most 1, as Opacus's), computed without them.
+    `max_norm / (‖g_b‖ + 1e-6)`, at most 1, as Opacus's), computed layer by layer from one
+    forward and one backward to the layers' outputs, with functx's per-layer kernels
+    (`functx.kernels.layer_gradients`), which avoid making the per-sample gradients where
+    they can; layers without a kernel go by `vmap` of their own vjp.
+    The sum is not divided by the batch size: divide it yourself for the mean.
 
     Args:
-        module: the model; its trainable parameters are the ones differentiated. Layers that
-            mix samples (BatchNorm in training mode) are refused.
-        loss_fn: `loss_fn(module(*inputs), targets)` -> one loss per sample, shape (B,)
-            (e.g. `F.cross_entropy(..., reduction="none")`).
-        inputs: a tensor or a tuple of tensors, batch first.
-        targets: passed to `loss_fn` as they are.
-        max_norm: the clipping norm C.
-        noise_multiplier: σ; 0 for no noise.
-        generator: for the noise.
-        params: functional state instead of the module's own parameters (a dict as for
-            `functx.functional_call`: parameters and buffers by name, tied names kept tied):
-            the gradient is taken with respect to the parameters given, at their values; the
-            module's other parameters are held fixed, and the module is left as it was.
+        module (torch.nn.Module): the model; its trainable parameters are the ones
+            differentiated. Every parameterised layer must keep the batch on dim 0 of its
+            inputs and outputs and return a tensor or a tuple of tensors; layers that mix
+            samples (BatchNorm in training mode) are refused.
+        loss_fn (Callable): `loss_fn(module(*inputs), targets)` -> one loss per sample,
+            shape (B,) (e.g. `F.cross_entropy(..., reduction="none")`).
+        inputs (Tensor | tuple): a tensor or a tuple of positional arguments of the
+            forward, batch first; the first tensor among them gives the batch size B.
+        targets (Any): passed to `loss_fn` as they are.
+        max_norm (float): the clipping norm C (keyword-only), > 0.
+        noise_multiplier (float, default 0.0): σ, >= 0; 0 for no noise.
+        generator (torch.Generator | None, default None): for the noise, drawn in the order
+            of `module.named_parameters()`; None: torch's global generator.
+        params (dict[str, Tensor] | None, default None): functional state instead of the
+            module's own parameters (a dict as for `functx.functional_call`: parameters and
+            buffers by name, tied names kept tied): the gradient is taken with respect to
+            the parameters given, at their values; the module's other parameters are held
+            fixed, and the module is left as it was.
 
     Returns:
-        (grads, norms): parameter name -> the clipped (noised) sum, shaped as the parameter;
-        and the (B,) per-sample gradient norms before clipping. `module`'s `.grad` fields are
+        tuple[dict[str, Tensor], Tensor]: `(grads, norms)`: parameter name -> the clipped
+        (noised) sum, shaped as the parameter (zeros where the loss does not reach it); and
+        the (B,) per-sample gradient norms before clipping. `module`'s `.grad` fields are
         not touched.
 
-    Example:
+    Raises:
+        ValueError: `max_norm` is not a positive number or `noise_multiplier` is not a
+            number >= 0 (a bool, None or NaN is refused; checked before any work);
+            `loss_fn` does not return shape (B,) (a reduced loss); a BatchNorm layer in
+            training mode; a layer whose input or output does not have the batch first; a
+            parameter used outside the forward of the module that owns it (`h @ layer.weight`);
+            the loss depends on a tensor nested in a layer's output (an LSTM's `(h_n, c_n)`);
+            `inputs` holds no tensor.
+        TypeError: `params` is not a dict; a parameterised layer returns something other
+            than a tensor or a tuple of tensors (a dict)
+            ([error catalogue: functx.dp.clipped_grad](../errors.md#functxdpclipped_grad)).
+
+    Examples:
         >>> import torch, functx
         >>> import torch.nn.functional as F
+        >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
         >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
         >>> loss = lambda out, y: F.cross_entropy(out, y, reduction="none")
         >>> grads, norms = functx.dp.clipped_grad(model, loss, x, y, max_norm=1.0)
         >>> grads["0.weight"].shape, norms.shape
         (torch.Size([8, 4]), torch.Size([16]))
+
+        The same as torch.func's per-sample gradients, clipped and summed:
+
+        >>> params = {k: v.detach() for k, v in model.named_parameters()}
+        >>> def sample_loss(p, xb, yb):
+        ...     return loss(torch.func.functional_call(model, p, (xb[None],)), yb[None]).sum()
+        >>> per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        >>> ref_norms = torch.cat([g.flatten(1) for g in per_sample.values()], 1).norm(dim=1)
+        >>> clip = (1.0 / (ref_norms + 1e-6)).clamp(max=1.0)
+        >>> torch.allclose(norms, ref_norms)
+        True
+        >>> all(torch.allclose(grads[k], torch.einsum("b,b...->...", clip, g), atol=1e-6) for k, g in per_sample.items())
+        True
+
+        Noise: N(0, (σ·C)²) from `generator`, parameter by parameter; with `params`, only
+        the parameters given are differentiated:
+
+        >>> noisy, _ = functx.dp.clipped_grad(model, loss, x, y, max_norm=1.0, noise_multiplier=0.5,
+        ...                                   generator=torch.Generator().manual_seed(1))
+        >>> gen = torch.Generator().manual_seed(1)
+        >>> all(torch.allclose(noisy[k], g + 0.5 * torch.randn(g.shape, generator=gen), atol=1e-6) for k, g in grads.items())
+        True
+        >>> head, _ = functx.dp.clipped_grad(model, loss, x, y, max_norm=1.0, params={"2.weight": torch.zeros(3, 8)})
+        >>> list(head), torch.equal(model[2].weight, params["2.weight"])  # the module is unchanged
+        (['2.weight'], True)
+
+    Differences from torch.func:
+        torch.func has no DP-SGD. With torch.func one materialises the B per-sample
+        gradients (`vmap(grad(...))` of a `functional_call`, as above), clips, sums and adds
+        noise by hand, or uses Opacus (`PrivacyEngine`, per-sample gradients in
+        `p.grad_sample`). `functx.dp.clipped_grad` returns the clipped, noised sum and the
+        norms as tensors, computed per layer from its input and output gradient (as Opacus's
+        ghost clipping): a layer's B gradient copies are made only where they are no larger
+        than those, or where it has no kernel. It leaves `.grad` alone and does no privacy
+        accounting (track ε with an accountant such as Opacus's).
     """
+    _check_clip_arguments(max_norm, noise_multiplier, "functx.dp.clipped_grad")
     if params is not None:
         return _with_state(module, params, loss_fn, inputs, targets, max_norm, noise_multiplier, generator)
-    if not isinstance(max_norm, (int, float)) or max_norm <= 0:
-        raise ValueError(f"functx.dp.clipped_grad: max_norm must be a positive number, got {max_norm!r}")
-    if noise_multiplier < 0:
-        raise ValueError(f"functx.dp.clipped_grad: noise_multiplier must be >= 0, got {noise_multiplier!r}")
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
     calls = _layer_calls(module, loss_fn, inputs, targets, names)
@@ -88,6 +143,19 @@ def clipped_grad(
     if noise_multiplier > 0:
         _add_noise(grads, noise_multiplier * max_norm, generator)
     return grads, norms.detach()
+
+
+def _check_clip_arguments(max_norm, noise_multiplier, api: str) -> None:
+    """DP-SGD's settings, checked before any work (by `clipped_grad` and functx.distributed's
+    `clipped_grad` and `noised_sum`; `api` names the function in the message): a real number
+    (not a bool) > 0 for `max_norm`, >= 0 for `noise_multiplier` (NaN fails both)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not number(max_norm) or not max_norm > 0:
+        raise ValueError(f"{api}: max_norm must be a positive number, got {max_norm!r}")
+    if not number(noise_multiplier) or not noise_multiplier >= 0:
+        raise ValueError(f"{api}: noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
 
 
 def _layer_calls(module, loss_fn, inputs, targets, names) -> list:
@@ -295,7 +363,8 @@ class _Call:
             grad_output = grad_of(0)
         else:
             grad_output = tuple(None if leaf is None else grad_of(leaf) for leaf in self.structure)
-        gradients = layer_gradients(self.layer, self.args, grad_output, self.kwargs)
+        # autograd made grad_output, shaped as the output: no meta-device check of its shapes
+        gradients = _layer_gradients(self.layer, self.args, grad_output, self.kwargs, check=False)
         self.args = self.kwargs = None
         if self.shared:
             self.per_sample = gradients.per_sample()

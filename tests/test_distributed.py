@@ -700,6 +700,37 @@ def test_bad_arguments(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("method", ["kernels", "vmap"])
+@pytest.mark.parametrize(
+    "clip, message",
+    [
+        (dict(max_norm=True), "max_norm must be a positive number, got True"),
+        (dict(max_norm=float("nan")), "max_norm must be a positive number, got nan"),
+        (dict(max_norm=1.0, noise_multiplier=-1.0), "noise_multiplier must be a number >= 0, got -1.0"),
+        (dict(max_norm=1.0, noise_multiplier=None), "noise_multiplier must be a number >= 0, got None"),
+        (dict(max_norm=1.0, noise_multiplier=True), "noise_multiplier must be a number >= 0, got True"),
+    ],
+)
+def test_clip_settings_are_checked_up_front_for_every_method(method, clip, message):
+    """Before any per-sample work (the loss is never computed), the message naming
+    functx.distributed.clipped_grad (with method="kernels" a negative noise_multiplier was
+    found by noised_sum, after the per-sample work)."""
+    import functx.distributed as fd
+
+    def loss_fn(out, y):
+        raise AssertionError("the settings are checked before the forward")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x, y = batch("mlp", 0)
+        with pytest.raises(ValueError, match=f"^functx.distributed.clipped_grad: {message}$"):
+            fd.clipped_grad(MLP().to(DT), loss_fn, x, y, method=method, **clip)
+        with pytest.raises(ValueError, match=f"^functx.distributed.noised_sum: {message}$"):
+            fd.noised_sum({"w": torch.ones(2)}, **clip)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_wrapped_collectives_let_other_threads_run():
     """functx wraps the collectives' autograd kernels (forward mode, functx/ad/library_ops.py);
     the wrapper must call the kernel it shadows without the GIL, as a plain call does: held,

@@ -6,6 +6,8 @@ called twice, padding ids, frozen parameters; the noise; bad input."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -341,6 +343,45 @@ def test_bad_input():
     with_bn.eval()  # running statistics: per-sample gradients are defined
     assert_matches(with_bn, x, y, 0.5)
     assert all(len(m._forward_hooks) == 0 for m in with_bn.modules())  # hooks removed, also after errors
+
+
+@pytest.mark.parametrize(
+    "clip, message",
+    [
+        (dict(max_norm=True), "max_norm must be a positive number, got True"),  # a bool is not a number here
+        (dict(max_norm=None), "max_norm must be a positive number, got None"),
+        (dict(max_norm=float("nan")), "max_norm must be a positive number, got nan"),
+        (dict(max_norm="1"), "max_norm must be a positive number, got '1'"),
+        (dict(max_norm=-1.0), "max_norm must be a positive number, got -1.0"),
+        (dict(max_norm=1.0, noise_multiplier=None), "noise_multiplier must be a number >= 0, got None"),
+        (dict(max_norm=1.0, noise_multiplier=True), "noise_multiplier must be a number >= 0, got True"),
+        (dict(max_norm=1.0, noise_multiplier=float("nan")), "noise_multiplier must be a number >= 0, got nan"),
+        (dict(max_norm=1.0, noise_multiplier=-0.5), "noise_multiplier must be a number >= 0, got -0.5"),
+    ],
+)
+@pytest.mark.parametrize("with_params", [False, True])
+def test_clip_settings_are_checked_before_any_work(clip, message, with_params):
+    """As functx.distributed checks them (one helper): bools, None and NaN refused; the loss
+    is never computed."""
+
+    def loss_fn(out, y):
+        raise AssertionError("the settings are checked before the forward")
+
+    model = mlp((3, 4, 2))
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    params = dict(model.named_parameters()) if with_params else None
+    with pytest.raises(ValueError, match=re.escape(f"functx.dp.clipped_grad: {message}")):
+        functx.dp.clipped_grad(model, loss_fn, x, y, params=params, **clip)
+
+
+def test_integer_clip_settings_are_numbers():
+    model = mlp((3, 4, 2))
+    x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    grads, norms = functx.dp.clipped_grad(model, per_sample_loss, x, y, max_norm=1, noise_multiplier=0)
+    expected, expected_norms = reference(model, per_sample_loss, x, y, 1.0)
+    torch.testing.assert_close(norms, expected_norms)
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], msg=name)
 
 
 @settings(max_examples=20, deadline=None)

@@ -25,7 +25,7 @@ from ..core.torch_function import CallHandler
 from ..core.type_aliases import Argnums, Function
 from ..core.custom_function import in_function_body
 from ..core.control_flow import any_sample
-from ..core.errors import PerformanceWarning, user_facing, warn
+from ..core.errors import PerformanceWarning, PrimalDtypeError, user_facing, warn
 from ..core.interpreter import current_stack, functx_code, interpreting, top_interpreter
 from ..vmap import vmap
 from .arguments import check_argnums, check_outputs, identity_rows, own_arguments, replace_argnums, select_argnums
@@ -148,18 +148,24 @@ def _check_primals_tangents(primals, tangents, api):
 _FUNCTIONAL_COLLECTIVES = "torch.distributed._functional_collectives"
 
 
+def _check_primal_dtypes(flat_primals, api):
+    """Only floating-point and complex primals have tangents (torch.func's ValueError)."""
+    for p in flat_primals:
+        if isinstance(p, torch.Tensor) and not (p.is_floating_point() or p.is_complex()):
+            raise PrimalDtypeError(
+                f"{api}: Expected primal to be floating point or complex, but got: {p.dtype}. Only "
+                f"floating-point or complex primals have tangents: convert it (x.float()) or close "
+                f"over it instead of passing it."
+            )
+
+
 def _forward_jvp(func, primals, flat_tangents, has_aux, api, needs, wrapped=False):
     """One jvp at a new jvp level: (flat outputs, flat output tangents or None where an
     output does not depend on the primals, output structure, aux). `wrapped`: at a wrapped
     level whatever choose.py would pick (it computes an op without a forward formula by the
     double-VJP identity on that op alone)."""
     flat_primals, primals_spec = pytree.tree_flatten(primals)
-    for p in flat_primals:
-        if not (p.is_floating_point() or p.is_complex()):
-            raise RuntimeError(
-                f"{api}: only floating-point or complex primals have tangents, got a Tensor with "
-                f"dtype {p.dtype}. Convert it (x.float()) or close over it instead of passing it."
-            )
+    _check_primal_dtypes(flat_primals, api)
     with functx_code():
         prepare_forward_mode()
         if _FUNCTIONAL_COLLECTIVES in sys.modules:
@@ -373,6 +379,30 @@ def jvp(func: Function, primals: Any, tangents: Any, *, strict: bool = False, ha
     """Evaluate `func(*primals)` and its Jacobian-vector product with `tangents` (forward
     mode): returns `(output, jvp_out)`, or `(output, jvp_out, aux)` with `has_aux=True`.
 
+    `jvp_out` is the Jacobian of `func` at `primals` times `tangents`: the directional
+    derivative of `func` along `tangents`. `func` runs once, carrying a tangent beside each
+    value, so the cost does not grow with the number of outputs: forward mode suits
+    functions with few inputs (or one direction) and many outputs, such as the derivative
+    of a function of one scalar.
+
+    How it behaves:
+
+    - **`primals` and `tangents` are tuples** with one entry per positional argument of
+      `func` (`(x,)` for one argument); `tangents` mirrors `primals`' structure and shapes.
+      Every tensor leaf of `primals` carries a tangent. `func`'s keyword arguments take
+      their defaults; fix other values with a closure (`lambda x: func(x, scale=2.0)`).
+    - **One call, one direction.** Under `vmap` over the tangents, many directions at
+      once: the columns of an identity matrix give the whole Jacobian (what `jacfwd`
+      does).
+    - **`jvp_out` mirrors the output** (a tuple or dict for a tuple or dict output). An
+      output that does not depend on the primals gets a zero tangent; `strict=True`
+      raises instead.
+    - **Forward over reverse**: `jvp(grad(f), (x,), (v,))` is a Hessian-vector product,
+      computed without forming the Hessian.
+    - **`torch.no_grad()` does not stop tangents**, inside `func` or outside (forward mode
+      does not follow grad mode, as in torch.func); `.detach()` does
+      ([detach](../semantics.md#detach-stop-gradient)).
+
     Args:
         func (Callable): a function of tensors (pytrees of them) returning tensors, or
             `(output, aux)` with `has_aux=True`.
@@ -381,37 +411,106 @@ def jvp(func: Function, primals: Any, tangents: Any, *, strict: bool = False, ha
         tangents (tuple): the direction, structured and shaped like `primals`.
         strict (bool, default False): raise if an output does not depend on the
             primals (otherwise its tangent is zeros).
-        has_aux (bool, default False): `func` returns `(output, aux)`.
+        has_aux (bool, default False): `func` returns `(output, aux)`; aux (tensors or
+            pytrees of them) is returned as is, without a tangent.
 
     Returns:
         tuple: `(output, jvp_out)`: `func(*primals)` and the derivative of `func` at
-        `primals` along `tangents`, structured like the output.
+        `primals` along `tangents`, structured like the output; with `has_aux=True`,
+        `(output, jvp_out, aux)`.
 
     Raises:
         RuntimeError: primals or tangents not a tuple, not tensors, of different
-            structure or shapes, of an integer dtype; with `strict=True`, an output
-            independent of the inputs ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+            structure or shapes; with `strict=True`, an output independent of the inputs;
+            with `has_aux=True`, no `(output, aux)` pair
+            ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+        ValueError: a primal of an integer or boolean dtype (as torch.func; the error is
+            also a RuntimeError, `functx.core.errors.PrimalDtypeError`).
 
     Examples:
+        The derivative of sin along ones:
+
         >>> import torch, functx
         >>> x = torch.tensor([0.0, 1.0])
         >>> out, tangent = functx.jvp(torch.sin, (x,), (torch.ones(2),))
-        >>> torch.allclose(tangent, torch.cos(x))
+        >>> torch.allclose(out, torch.sin(x)), torch.allclose(tangent, torch.cos(x))
+        (True, True)
+
+        A function of one scalar, R -> R^3: one JVP is its whole derivative:
+
+        >>> import torch, functx
+        >>> f = lambda t: t * torch.tensor([1.0, 2.0, 3.0])
+        >>> value, derivative = functx.jvp(f, (torch.tensor(2.0),), (torch.tensor(1.0),))
+        >>> value.tolist(), derivative.tolist()
+        ([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+
+        Several inputs take one tangent each; pytree outputs get pytree tangents (here
+        d(x * y) = dx * y + x * dy):
+
+        >>> import torch, functx
+        >>> x, y = torch.randn(5), torch.randn(5)
+        >>> _, tangent = functx.jvp(lambda a, b: a * b, (x, y), (torch.ones(5), torch.ones(5)))
+        >>> torch.allclose(tangent, x + y)
+        True
+        >>> _, tangents = functx.jvp(lambda a: {"sin": a.sin(), "sq": a ** 2}, (x,), (torch.ones(5),))
+        >>> torch.allclose(tangents["sin"], x.cos()), torch.allclose(tangents["sq"], 2 * x)
+        (True, True)
+
+        `has_aux`, and `strict` for an output that does not depend on the input:
+
+        >>> import torch, functx
+        >>> x = torch.tensor([0.0, 1.0])
+        >>> out, tangent, aux = functx.jvp(lambda t: (t.exp(), t.argmax()), (x,), (torch.ones(2),), has_aux=True)
+        >>> torch.allclose(tangent, x.exp()), aux.item()
+        (True, 1)
+        >>> functx.jvp(lambda t: torch.ones(2), (x,), (torch.ones(2),))[1].tolist()
+        [0.0, 0.0]
+        >>> try:
+        ...     functx.jvp(lambda t: torch.ones(2), (x,), (torch.ones(2),), strict=True)
+        ... except RuntimeError as error:
+        ...     print("independent of the inputs" in str(error))
+        True
+
+        All directions at once under `vmap` (the Jacobian's columns), checked against
+        `torch.autograd.functional.jacobian`:
+
+        >>> import torch, functx
+        >>> f = lambda t: torch.stack([t.prod(), t.sum(), t.norm()])
+        >>> x = torch.randn(4)
+        >>> columns = functx.vmap(lambda v: functx.jvp(f, (x,), (v,))[1])(torch.eye(4))
+        >>> torch.allclose(columns.T, torch.autograd.functional.jacobian(f, x))
         True
 
         A Hessian-vector product, forward over reverse:
 
+        >>> import torch, functx
+        >>> x = torch.tensor([0.0, 1.0])
         >>> f = lambda x: (x ** 3).sum()
         >>> _, hvp = functx.jvp(functx.grad(f), (x,), (torch.ones(2),))
         >>> hvp.tolist()  # 6 x * v
         [0.0, 6.0]
+
+        `torch.no_grad()` does not stop the tangent; `.detach()` does:
+
+        >>> import torch, functx
+        >>> def f(x):
+        ...     with torch.no_grad():
+        ...         c = x ** 2
+        ...     return x - c
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> functx.jvp(f, (x,), (torch.ones(2),))[1].tolist()  # 1 - 2 x
+        [-1.0, -3.0]
+        >>> functx.jvp(lambda t: t - (t ** 2).detach(), (x,), (torch.ones(2),))[1].tolist()
+        [1.0, 1.0]
 
     Differences from torch.func:
         An op with no forward-mode formula (a `torch.library` operator with only
         `register_autograd`, an `autograd.Function` without `jvp`) gets its tangent from
         its reverse-mode formula (the double-VJP identity, with a
         `functx.PerformanceWarning`) where torch.func raises or, for library operators,
-        silently returns zeros.
+        silently returns zeros. An integer primal raises a RuntimeError (torch.func: a
+        ValueError); a `None` leaf of a primal (with `None` as its tangent) passes through
+        where torch.func raises.
     """
     return _jvp_call(func, primals, tangents, strict, has_aux)
 
@@ -436,9 +535,30 @@ def linearize(func: Function, *primals: Any) -> tuple[Any, Function]:
     """Evaluate `func(*primals)` once and return `(output, jvp_fn)`: `jvp_fn(*tangents)`
     gives the Jacobian-vector product at `primals` without running `func` again.
 
+    `jvp_fn` is the linear approximation of `func` at `primals`: `func(primals + t)` is
+    about `output + jvp_fn(t)` for small `t`. Use it when the tangents come one at a time
+    at one point (an iterative solver, Newton-Krylov steps): each call reuses the
+    recording of `func` made by `linearize`.
+
+    How it behaves:
+
+    - **Cost**: `func` runs once, under reverse mode; each `jvp_fn` call is two backward
+      passes over that recording (a VJP and its derivative). The recording, with the
+      tensors `func` saved for its backward, lives as long as `jvp_fn`: memory that `jvp`
+      does not keep. When all tangents are known up front, `vmap` over `jvp` (or
+      `jacfwd`) is usually cheaper.
+    - **Tangents** are passed positionally, one per primal, structured and shaped like it;
+      the result is structured like `output`. `jvp_fn` can be called any number of times,
+      also under `vmap` (many directions at once).
+    - **Random ops** inside `func` draw once: `jvp_fn` differentiates the draws that
+      `output` was computed with.
+    - `func`'s keyword arguments take their defaults; fix other values with a closure.
+
     Args:
-        func (Callable): a function of tensors (pytrees of them) returning tensors.
-        *primals (Tensor | pytree): the point.
+        func (Callable): a function of tensors (pytrees of them) returning tensors
+            (pytrees of them).
+        *primals (Tensor | pytree): the point, passed to `func` positionally; every tensor
+            leaf (floating-point or complex) gets a tangent.
 
     Returns:
         tuple: `(output, jvp_fn)`. `jvp_fn(*tangents)` takes tangents shaped like
@@ -446,37 +566,87 @@ def linearize(func: Function, *primals: Any) -> tuple[Any, Function]:
         `output`; call it as often as needed (also under `vmap`).
 
     Raises:
-        RuntimeError: `jvp_fn` given tangents of another structure or shape than the
-            primals ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+        RuntimeError: `func` returns a non-tensor; `jvp_fn` given tangents of another
+            structure or shape than the primals
+            ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
+        ValueError: a primal (or a leaf of it) that is not a tensor; an integer or boolean
+            primal (as torch.func; also a RuntimeError, `PrimalDtypeError`).
 
     Examples:
         >>> import torch, functx
-        >>> x = torch.tensor([0.0, 1.0])
-        >>> out, jvp_fn = functx.linearize(torch.sin, x)
-        >>> torch.allclose(jvp_fn(torch.ones(2)), torch.cos(x))
+        >>> output, jvp_fn = functx.linearize(torch.sin, torch.zeros(3, 3))
+        >>> jvp_fn(torch.ones(3, 3))  # cos(0) * 1
+        tensor([[1., 1., 1.],
+                [1., 1., 1.],
+                [1., 1., 1.]])
+
+        The same as `jvp` along every tangent, and the linear approximation it is:
+
+        >>> import torch, functx
+        >>> f = lambda x: x.exp() * x.sin()
+        >>> x = torch.tensor([0.5, 1.0])
+        >>> output, jvp_fn = functx.linearize(f, x)
+        >>> v = torch.tensor([1.0, -2.0])
+        >>> torch.allclose(jvp_fn(v), functx.jvp(f, (x,), (v,))[1])
+        True
+        >>> t = 1e-3 * v
+        >>> torch.allclose(f(x + t), output + jvp_fn(t), atol=1e-5)
         True
 
-        Many directions, one evaluation:
+        Many directions, one evaluation (two primals, so two tangents per direction):
 
+        >>> import torch, functx
         >>> out, jvp_fn = functx.linearize(lambda a, b: a * b, torch.tensor(2.0), torch.tensor(3.0))
-        >>> functx.vmap(jvp_fn)(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).tolist()
+        >>> functx.vmap(jvp_fn)(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).tolist()  # b, a
         [3.0, 2.0]
+
+        `func` runs once; a random draw is the same for `output` and `jvp_fn`:
+
+        >>> import torch, functx
+        >>> calls = []
+        >>> def noisy(x):
+        ...     calls.append(1)
+        ...     return x * torch.rand(2)
+        >>> output, jvp_fn = functx.linearize(noisy, torch.ones(2))
+        >>> torch.allclose(jvp_fn(torch.ones(2)), output), len(calls)  # d(x r) = r dx, and x = 1
+        (True, 1)
 
     Differences from torch.func:
         functx records the function once under reverse mode and derives the tangents from
         that record (the double-VJP identity), so `func` may use ops without forward-mode
-        formulas; torch.func traces it with `make_fx`.
+        formulas, and runs once (torch.func runs it twice, tracing it with `make_fx`:
+        random ops draw different numbers for `output` and for `jvp_fn`). Being reverse
+        mode, it follows grad mode: a value computed under `torch.no_grad()` inside `func`
+        is a constant for `jvp_fn`, where torch.func's `linearize` and `jvp` differentiate
+        through it.
     """
     return _linearize_call(func, primals)
 
 
 def _linearize_call(func, primals):
-    """`linearize(func, *primals)`."""
+    """`linearize(func, *primals)`: the recording of one reverse-mode run, differentiated
+    per call (the double-VJP identity) — unless `func` turns grad mode off around a value
+    being differentiated (`torch.no_grad()`), where reverse mode stops a tangent forward
+    mode carries (`_ModeRegions`): there `jvp_fn` runs `func` again under forward mode,
+    so that it always equals `jvp`."""
     api = "linearize(func, *primals)"
+    _check_primal_dtypes(pytree.tree_leaves(primals), api)
+    regions = _ModeRegions()
+
+    def watched(*args):
+        with regions:
+            return func(*args)
+
     with differentiating_the_backward():
-        output, vjp_fn, _ = _vjp_with_argnums(func, primals, {}, None, False, api)
+        output, vjp_fn, _ = _vjp_with_argnums(watched, primals, {}, None, False, api)
     flat_out, out_spec = pytree.tree_flatten(output)
     tangent_map = _tangent_map(vjp_fn, flat_out, out_spec)
+    if regions.crossed:
+        del vjp_fn, tangent_map  # (the recording is of no use: free it)
+
+        def tangent_map(flat_tangents):
+            flat_out, flat_tangent_out, _, _ = _jvp_flat(func, primals, flat_tangents, False, api)
+            return [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
 
     @user_facing
     def jvp_fn(*tangents):
@@ -498,12 +668,41 @@ def jacfwd(
     vectorized Jacobian-vector product per input element. Best when the inputs are fewer
     than the outputs.
 
+    `jacfwd(func)(*args)` pushes every column of an identity matrix the size of the
+    differentiated inputs through `func` at once (`vmap` of `jvp` over the tangents), so
+    the cost grows with the number of input elements, not of output elements. `jacrev` is
+    the reverse-mode twin, cheaper for many inputs and few outputs; both give the same
+    matrix.
+
+    How it behaves:
+
+    - **Shapes and structure** are `jacrev`'s: `output.shape + input.shape` per leaf, the
+      output's structure outside and the differentiated arguments' inside (a tuple for
+      tuple `argnums`).
+    - **`randomness`**: `func` runs under `vmap` over the tangent columns, so random ops
+      (`torch.rand`, dropout in training mode) follow `vmap`'s `randomness`: "error" (the
+      default) refuses them, "same" gives every column the same draws (the Jacobian of one
+      random function, usually what is wanted), "different" gives each column its own.
+    - **`chunk_size`** bounds memory: at most that many columns per vectorized call; the
+      result is the same.
+    - **`has_aux`**: `func` returns `(output, aux)`; `aux` is returned once, without
+      tangents. Returning the output itself as aux gives the value with its Jacobian.
+    - **Composition**: `vmap(jacfwd(f))` gives one Jacobian per example, and
+      `jacfwd(jacrev(f))` the Hessian (forward over reverse).
+    - **`torch.no_grad()` does not stop tangents** (forward mode does not follow grad mode,
+      as in torch.func); `.detach()` does.
+    - **Ops without a forward-mode formula** (an `autograd.Function` without `jvp`, a
+      `torch.library` operator with only `register_autograd`) get their tangents from
+      their backward (see `jvp`).
+
     Args:
-        func (Callable): a function of tensors (pytrees of them) returning tensors, or
-            `(output, aux)` with `has_aux=True`.
+        func (Callable): a function of tensors (pytrees of them) returning real tensors
+            (pytrees of them), or `(output, aux)` with `has_aux=True`.
         argnums (int | tuple[int, ...], default 0): the positional arguments to
-            differentiate (real floating-point tensors).
-        has_aux (bool, default False): `func` returns `(output, aux)`.
+            differentiate (real floating-point tensors, or pytrees of them); the others,
+            and keyword arguments, are passed through.
+        has_aux (bool, default False): `func` returns `(output, aux)`; the result is
+            `(jacobian, aux)`.
         randomness (str, default "error"): as `vmap`'s, for the vectorized JVPs: "error",
             "different" or "same".
         chunk_size (int | None, default None): compute at most this many Jacobian columns
@@ -511,25 +710,107 @@ def jacfwd(
 
     Returns:
         Callable: a function of `func`'s arguments returning the Jacobian, structured as
-        `jacrev`'s.
+        `jacrev`'s; with `has_aux=True`, `(jacobian, aux)`.
 
     Raises:
-        ValueError: `chunk_size` < 1, a differentiated argument that is not a tensor.
-        RuntimeError: a complex input; random ops with `randomness="error"`
+        ValueError: `chunk_size` < 1, a differentiated argument that is not a tensor; an
+            integer or boolean input (as torch.func; also a RuntimeError,
+            `PrimalDtypeError`).
+        RuntimeError: bad `argnums`; a complex input; a complex
+            output; random ops with `randomness="error"`; an invalid `randomness`; with
+            `has_aux=True`, no `(output, aux)` pair
             ([error catalogue](../errors.md#jvp-linearize-jacfwd)).
 
     Examples:
+        A pointwise function has a diagonal Jacobian; `jacfwd` and `jacrev` agree:
+
         >>> import torch, functx
-        >>> x = torch.randn(3)
+        >>> x = torch.randn(5)
         >>> torch.allclose(functx.jacfwd(torch.sin)(x), torch.diag(torch.cos(x)))
         True
         >>> f = lambda x: torch.stack([x.sum(), x.prod(), x.max()])
         >>> torch.allclose(functx.jacfwd(f)(x), functx.jacrev(f)(x))
         True
 
+        Batched Jacobians under `vmap`, checked against a loop:
+
+        >>> import torch, functx
+        >>> x = torch.randn(64, 5)
+        >>> jacobians = functx.vmap(functx.jacfwd(torch.sin))(x)
+        >>> jacobians.shape
+        torch.Size([64, 5, 5])
+        >>> torch.allclose(jacobians, torch.stack([torch.diag(row.cos()) for row in x]))
+        True
+
+        The value along with the Jacobian, as aux:
+
+        >>> import torch, functx
+        >>> def g(x):
+        ...     result = x.sin()
+        ...     return result, result
+        >>> x = torch.randn(5)
+        >>> jacobian, value = functx.jacfwd(g, has_aux=True)(x)
+        >>> torch.allclose(value, x.sin()), torch.allclose(jacobian, torch.diag(x.cos()))
+        (True, True)
+
+        Another argument (`argnums=1`) or several, against the closed forms of
+        `x + y ** 2`, and a Hessian forward over reverse:
+
+        >>> import torch, functx
+        >>> def f(x, y):
+        ...     return x + y ** 2
+        >>> x, y = torch.randn(5), torch.randn(5)
+        >>> torch.allclose(functx.jacfwd(f, argnums=1)(x, y), torch.diag(2 * y))
+        True
+        >>> jx, jy = functx.jacfwd(f, argnums=(0, 1))(x, y)
+        >>> torch.allclose(jx, torch.eye(5)), torch.allclose(jy, torch.diag(2 * y))
+        (True, True)
+        >>> hessian = functx.jacfwd(functx.jacrev(lambda t: t.sin().sum()))(x)
+        >>> torch.allclose(hessian, torch.diag(-x.sin()))
+        True
+
+        A tall function (2 inputs, 100 outputs), in chunks of one column, checked against
+        `torch.autograd.functional.jacobian`:
+
+        >>> import torch, functx
+        >>> f = lambda p: torch.sin(p[0] * torch.linspace(0, 1, 100) + p[1])
+        >>> p = torch.tensor([2.0, 0.5])
+        >>> jacobian = functx.jacfwd(f, chunk_size=1)(p)
+        >>> jacobian.shape, torch.allclose(jacobian, torch.autograd.functional.jacobian(f, p))
+        (torch.Size([100, 2]), True)
+
+        Random ops need `randomness`; with "same" every column sees the same draw:
+
+        >>> import torch, functx
+        >>> def noisy(x):
+        ...     r = torch.rand(())
+        ...     return x * r, r
+        >>> try:
+        ...     functx.jacfwd(noisy, has_aux=True)(torch.ones(3))
+        ... except RuntimeError as error:
+        ...     print("randomness error mode" in str(error))
+        True
+        >>> jacobian, r = functx.jacfwd(noisy, has_aux=True, randomness="same")(torch.ones(3))
+        >>> torch.allclose(jacobian, r * torch.eye(3))
+        True
+
+        `torch.no_grad()` does not stop tangents; `.detach()` does:
+
+        >>> import torch, functx
+        >>> def f(x):
+        ...     with torch.no_grad():
+        ...         c = x ** 2
+        ...     return x - c
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> functx.jacfwd(f)(x).tolist()  # diag(1 - 2 x)
+        [[-1.0, 0.0], [0.0, -3.0]]
+        >>> functx.jacfwd(lambda t: t - (t ** 2).detach())(x).tolist()
+        [[1.0, 0.0], [0.0, 1.0]]
+
     Differences from torch.func:
         `chunk_size` (torch.func's jacfwd has none); ops without forward-mode formulas
-        work (see `jvp`).
+        work (see `jvp`), where torch.func raises "forward-mode AD not implemented". An
+        integer input raises a RuntimeError (torch.func: a ValueError).
     """
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError("jacfwd: `chunk_size` should be greater than 0.")
@@ -611,10 +892,34 @@ def _jacfwd_call(func, argnums, has_aux, randomness, chunk_size, args, kwargs):
 def hessian(func: Function, argnums: Argnums = 0, *, chunk_size: Optional[int] = None) -> Function:
     """The Hessian of a scalar-valued `func` with respect to its `argnums` arguments.
 
+    `hessian(func)` is the Jacobian of the gradient: functx computes it as
+    `jacrev(jacrev(func))` (reverse over reverse; see the differences below). Other
+    compositions give the same matrix: `jacfwd(jacrev(func))` (torch.func's),
+    `jacfwd(jacfwd(func))`. For a Hessian-vector product without the whole matrix, use
+    `jvp(grad(func), (x,), (v,))`.
+
+    How it behaves:
+
+    - **Shapes**: for a scalar output and one tensor argument, `input.shape + input.shape`
+      (`H[i, j] = d² func / d input[i] d input[j]`). A non-scalar output is allowed: the
+      result is `output.shape + input.shape + input.shape` (one Hessian per output
+      element).
+    - **Several arguments**: a tuple `argnums` gives nested tuples of blocks: `H[i][j]` is
+      the block of arguments `argnums[i]` and `argnums[j]`, of shape
+      `x_i.shape + x_j.shape`. Pytree arguments nest the same way (a dict of dicts for a
+      dict).
+    - **`chunk_size`** bounds memory: both Jacobians compute at most that many rows at a
+      time; the result is the same.
+    - **Composition**: `vmap(hessian(f))` gives one Hessian per example.
+    - Random ops and `torch.no_grad()` inside `func` behave as under `jacrev` (`func` runs
+      once; values computed under `torch.no_grad()` are constants).
+
     Args:
-        func (Callable): a function returning a scalar tensor.
+        func (Callable): a function returning a tensor, usually a scalar (no
+            dimensions).
         argnums (int | tuple[int, ...], default 0): the positional arguments to
-            differentiate (a tuple gives the blocks `[i][j]`).
+            differentiate (a tuple gives the blocks `[i][j]`); the others, and keyword
+            arguments, are passed through.
         chunk_size (int | None, default None): compute at most this many rows at a time
             (bounds memory).
 
@@ -623,24 +928,60 @@ def hessian(func: Function, argnums: Argnums = 0, *, chunk_size: Optional[int] =
         `input.shape + input.shape` (blocks for several arguments).
 
     Raises:
-        RuntimeError: as `grad` and `jacrev`
+        ValueError: `chunk_size` < 1; a differentiated argument that is not a tensor.
+        RuntimeError: as `grad` and `jacrev`: bad `argnums`, an integer input, a
+            non-tensor or complex output
             ([error catalogue](../errors.md#grad-grad_and_value-vjp-jacrev-hessian)).
 
     Examples:
+        A function R^N -> R gives an N x N Hessian, here against closed forms:
+
         >>> import torch, functx
-        >>> x = torch.randn(3)
+        >>> x = torch.randn(5)
+        >>> torch.allclose(functx.hessian(lambda v: v.sin().sum())(x), torch.diag(-x.sin()))
+        True
         >>> torch.allclose(functx.hessian(lambda v: (v ** 3).sum())(x), torch.diag(6 * x))
         True
+
+        A quadratic form `v @ A @ v` has the Hessian `A + A.T`, whatever `chunk_size`;
+        `torch.autograd.functional.hessian` agrees:
+
+        >>> import torch, functx
+        >>> A = torch.randn(4, 4)
+        >>> quadratic = lambda v: v @ A @ v
+        >>> v = torch.randn(4)
+        >>> torch.allclose(functx.hessian(quadratic)(v), A + A.T)
+        True
+        >>> torch.allclose(functx.hessian(quadratic, chunk_size=1)(v), torch.autograd.functional.hessian(quadratic, v))
+        True
+
+        Blocks for several arguments (`a * a * b`: d²/da² = 2b, d²/da db = 2a,
+        d²/db² = 0):
+
+        >>> import torch, functx
         >>> a, b = torch.tensor(1.0), torch.tensor(2.0)
         >>> blocks = functx.hessian(lambda a, b: a * a * b, argnums=(0, 1))(a, b)
-        >>> [[round(h.item(), 4) for h in row] for row in blocks]
+        >>> [[h.item() for h in row] for row in blocks]
         [[4.0, 2.0], [2.0, 0.0]]
+
+        One Hessian per example under `vmap`, and the same matrix as `jacfwd(jacrev)`:
+
+        >>> import torch, functx
+        >>> f = lambda v: (v.exp() * v.roll(1)).sum()
+        >>> xs = torch.randn(8, 3)
+        >>> hessians = functx.vmap(functx.hessian(f))(xs)
+        >>> hessians.shape
+        torch.Size([8, 3, 3])
+        >>> torch.allclose(hessians, functx.vmap(functx.jacfwd(functx.jacrev(f)))(xs))
+        True
 
     Differences from torch.func:
         torch.func computes `jacfwd(jacrev(func))`; functx computes `jacrev(jacrev(func))`:
         the same matrix (a Hessian is symmetric), here about 1.6x faster, since forward
         formulas of the backward ops add more dispatches than a second backward pass
-        (benchmarks/HISTORY.md). `chunk_size` is functx's.
+        (benchmarks/HISTORY.md). So `hessian` needs no forward-mode formula, and random
+        ops inside `func` work (torch.func runs `func` under `vmap` and refuses them).
+        `chunk_size` is functx's.
     """
     from .reverse import jacrev
 

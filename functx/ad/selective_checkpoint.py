@@ -59,11 +59,14 @@ __all__ = ["checkpoint", "checkpoint_name", "checkpoint_policies"]
 Policy = Callable[..., bool]  # policy(op, *args, **kwargs) -> save op's output?
 
 
-def _check_policy(policy, what: str) -> None:
+def _check_policy(policy, what: str, none_keeps_nothing: bool = False) -> None:
+    """`policy` is callable, or a clear TypeError naming `what`; "or None" is offered where
+    None is accepted (`functx.checkpoint`'s policy)."""
     if not callable(policy):
+        alternative = " or None" if none_keeps_nothing else ""
         raise TypeError(
             f"{what}: expected a callable policy(op, *args, **kwargs) -> bool (e.g. "
-            f"functx.checkpoint_policies.dots_saveable) or None, got {type(policy).__name__}"
+            f"functx.checkpoint_policies.dots_saveable){alternative}, got {type(policy).__name__}"
         )
 
 
@@ -181,20 +184,9 @@ def _handed_out_again(entry):
 
 
 def checkpoint(fun: Callable, *, policy: Policy | None = None, preserve_rng_state: bool = True) -> Callable:
-    """`fun`, with its activations recomputed in the backward pass instead of kept: JAX's
-    `jax.checkpoint(fun, policy=...)` over torch's non-reentrant checkpoint.
-
-    Args:
-        fun: the function to checkpoint; it takes and returns tensors (pytrees of them, and
-            keyword arguments, as `torch.utils.checkpoint.checkpoint` allows).
-        policy: `policy(op, *args, **kwargs) -> bool`, asked about every ATen op `fun` runs
-            (`op` an `OpOverload` such as `torch.ops.aten.mm.default`, with the op's
-            arguments): True keeps that op's output for the backward, False recomputes it.
-            None (the default) keeps nothing, as `jax.checkpoint`'s default and plain
-            `torch.utils.checkpoint.checkpoint`. Ready-made policies are in
-            `functx.checkpoint_policies`.
-        preserve_rng_state: replay the forward's random state in the recomputation (so
-            dropout draws the same mask), as torch's checkpoint.
+    """`fun`, with its activations recomputed in the backward pass instead of kept, except
+    those `policy` keeps: JAX's `jax.checkpoint(fun, policy=...)` over torch's non-reentrant
+    `torch.utils.checkpoint.checkpoint`. The values and derivatives are those of `fun`.
 
     What the policy decides applies where torch's checkpoint runs inside functx's
     transforms: with no transform, under the outermost `grad` / `vjp` / `jacrev` / `jvp`,
@@ -202,23 +194,86 @@ def checkpoint(fun: Callable, *, policy: Policy | None = None, preserve_rng_stat
     (`grad(hessian(f))`, `vmap(hessian(f))`, ...) `fun` runs unchecked: right derivatives,
     no memory saved (docs/semantics.md, "Activation checkpointing").
 
-    Example: per-sample gradients through a checkpointed layer that keeps its matrix
-    products (`dots_saveable`) and recomputes the `tanh`:
+    Args:
+        fun (Callable): the function to checkpoint; it takes and returns tensors (pytrees
+            of them, and keyword arguments, as `torch.utils.checkpoint.checkpoint` allows).
+        policy (Callable[..., bool] | None, default None): `policy(op, *args, **kwargs) ->
+            bool`, asked once about every ATen op `fun` runs in the forward (`op` an
+            `OpOverload` such as `torch.ops.aten.mm.default`, with the op's arguments):
+            True keeps that op's output for the backward, False recomputes it. Outputs of
+            in-place ops, factories and views are recomputed whatever it says. None keeps
+            nothing, as `jax.checkpoint`'s default and plain
+            `torch.utils.checkpoint.checkpoint`. Ready-made policies are in
+            `functx.checkpoint_policies`. Under `torch.compile` (and `functx.jit`) it is
+            not asked: the compiler decides what to keep.
+        preserve_rng_state (bool, default True): replay the forward's random state in the
+            recomputation (so dropout draws the same mask), as torch's checkpoint.
+
+    Returns:
+        Callable: a function with `fun`'s arguments and outputs (and its `__name__`) that
+        runs `fun` under the checkpoint at each call.
+
+    Raises:
+        TypeError: `fun` is not callable, or `policy` is neither callable nor None
+            ([error catalogue: checkpoint](../errors.md#checkpoint-checkpoint_name-checkpoint_policies)).
+        torch.utils.checkpoint.CheckpointError: in the backward, the recomputation ran
+            other ops or made tensors of other shapes than the forward (`fun` depends on
+            state that changed between the two, a counter, a global flag); a
+            `RuntimeError`.
+        Exception: whatever `policy` raises, at the call of the returned function.
+
+    Examples:
+        The gradient is that of `fun`; the policy is asked about each op once, in the
+        forward:
 
         >>> import torch, functx
-        >>> w = torch.randn(3, 3)
+        >>> w = torch.linspace(-1.0, 1.0, 9).reshape(3, 3)
+        >>> x = torch.linspace(0.0, 1.0, 6).reshape(2, 3)
+        >>> asked = []
+        >>> def keep_products(op, *args, **kwargs):
+        ...     asked.append(str(op))
+        ...     return op is torch.ops.aten.mm.default
+        >>> layer = functx.checkpoint(lambda w: torch.tanh(x @ w).sum(), policy=keep_products)
+        >>> torch.allclose(functx.grad(layer)(w), functx.grad(lambda w: torch.tanh(x @ w).sum())(w))
+        True
+        >>> asked
+        ['aten.mm.default', 'aten.tanh.default', 'aten.sum.default']
+
+        Per-sample gradients through a checkpointed layer that keeps its matrix products
+        (`dots_saveable`) and recomputes the `tanh`:
+
         >>> layer = functx.checkpoint(lambda w, x: torch.tanh(x @ w), policy=functx.checkpoint_policies.dots_saveable)
         >>> loss = lambda w, x: layer(w, x).sum()
-        >>> xs = torch.randn(5, 3)
-        >>> per_sample = functx.vmap(functx.grad(loss), in_dims=(None, 0))(w, xs)
-        >>> torch.allclose(per_sample[0], functx.grad(lambda w: torch.tanh(xs[0] @ w).sum())(w))
+        >>> per_sample = functx.vmap(functx.grad(loss), in_dims=(None, 0))(w, x)
+        >>> plain = lambda w, x: torch.tanh(x @ w).sum()
+        >>> per_sample.shape, torch.allclose(per_sample[1], functx.grad(plain)(w, x[1]))
+        (torch.Size([2, 3, 3]), True)
+
+        Second derivatives through kept values (torch's own selective checkpoint raises
+        "Trying to backward an extra time"):
+
+        >>> g = lambda x: x.sin().sin().sum()
+        >>> f = functx.checkpoint(g, policy=functx.checkpoint_policies.everything_saveable)
+        >>> torch.allclose(functx.hessian(f)(x[1]), functx.hessian(g)(x[1]))
         True
+
+    Differences from torch.func:
+        torch.func has no checkpoint, and its `grad` / `vjp` / `jacrev` / `hessian` refuse
+        torch's non-reentrant `torch.utils.checkpoint.checkpoint` ("don't yet support saved
+        tensor hooks"). Outside them, torch's `checkpoint(fun, *args, use_reentrant=False,
+        context_fn=...)` runs `fun` at once (functx returns a function, as JAX), with a
+        policy made by `create_selective_checkpoint_contexts(policy_fn)`, where
+        `policy_fn(ctx, op, *args, **kwargs)` returns a `CheckpointPolicy` (functx's
+        returns a bool). torch's selective checkpoint raises on a second derivative through
+        the region ("Trying to backward an extra time") and, by default, when a kept value
+        was written into in place ("has been mutated"); functx's differentiates to any
+        order and recomputes such a value.
     """
     if not callable(fun):
         raise TypeError(f"functx.checkpoint: expected a callable fun, got {type(fun).__name__}")
     context_fn = _checkpoint.noop_context_fn
     if policy is not None:
-        _check_policy(policy, "functx.checkpoint's policy argument")
+        _check_policy(policy, "functx.checkpoint's policy argument", none_keeps_nothing=True)
         context_fn = _context_fn(policy)
 
     @functools.wraps(fun, updated=())  # (a module's __dict__ is not the function's)
@@ -284,8 +339,25 @@ def checkpoint_name(x: Tensor, name: str) -> Tensor:
     (`checkpoint_policies.save_only_these_names(name)` keeps it for the backward instead of
     recomputing it): JAX's `jax.ad_checkpoint.checkpoint_name`.
 
-    Its value is `x` (a copy of it) and its derivative is the identity under every
-    transform. Outside a checkpointed function it only costs the copy.
+    It runs an op of its own, `functx::checkpoint_name(x, name)`, which the policy is asked
+    about with the name among its arguments. Its value is a copy of `x` and its derivative
+    is the identity under every transform (`grad`, `jvp`, `vmap`, ...). Outside a
+    checkpointed function it only costs the copy.
+
+    Args:
+        x (Tensor): the value to name.
+        name (str): the name the policies match
+            (`save_only_these_names`, `save_any_names_but_these`).
+
+    Returns:
+        Tensor: a copy of `x` (equal values, its own storage), differentiable as `x` is.
+
+    Raises:
+        TypeError: `name` is not a str, or `x` is not a tensor
+            ([error catalogue: checkpoint](../errors.md#checkpoint-checkpoint_name-checkpoint_policies)).
+
+    Examples:
+        Keep the named `sin` for the backward, recompute the rest:
 
         >>> import torch, functx
         >>> policy = functx.checkpoint_policies.save_only_these_names("hidden")
@@ -293,6 +365,20 @@ def checkpoint_name(x: Tensor, name: str) -> Tensor:
         >>> x = torch.tensor([0.5])
         >>> torch.allclose(functx.grad(lambda x: f(x).sum())(x), -x.sin().sin() * x.cos())
         True
+
+        The value is a copy and the derivative the identity:
+
+        >>> y = functx.checkpoint_name(x, "h")
+        >>> torch.equal(y, x), y.data_ptr() == x.data_ptr()
+        (True, False)
+        >>> functx.jvp(lambda x: functx.checkpoint_name(x, "h"), (x,), (torch.ones(1),))[1]
+        tensor([1.])
+
+    Differences from torch.func:
+        torch has no way to name a value for a checkpoint policy: a policy of
+        `torch.utils.checkpoint.create_selective_checkpoint_contexts` matches ops (and
+        their arguments) only, so its users pick values by op (`aten.mm`) or wrap the value
+        in a custom op of their own.
     """
     if not isinstance(name, str):
         raise TypeError(f"functx.checkpoint_name: name must be a str, got {type(name).__name__}")
@@ -351,7 +437,18 @@ class checkpoint_policies:  # noqa: N801  (a namespace, spelled as JAX's jax.che
     - `save_only_these_names(*names)`: keep only values named by `functx.checkpoint_name`
       with one of `names`.
     - `save_any_names_but_these(*names)`: keep named values whose name is not in `names`.
-    - `save_from_both_policies(p1, p2)`: keep what either policy keeps.
+    - `save_from_both_policies(policy_1, policy_2)`: keep what either policy keeps.
+
+    It is a namespace: use its attributes on the class (`checkpoint_policies.dots_saveable`);
+    an instance, `checkpoint_policies()`, has the same ones.
+
+    Raises:
+        TypeError: `save_only_these_names` / `save_any_names_but_these` given a name that is
+            not a str; `save_from_both_policies` given a policy that is not callable
+            ([error catalogue: checkpoint](../errors.md#checkpoint-checkpoint_name-checkpoint_policies)).
+
+    Examples:
+        Each policy answers for one op (and its arguments):
 
         >>> import torch, functx
         >>> p = functx.checkpoint_policies
@@ -360,6 +457,32 @@ class checkpoint_policies:  # noqa: N801  (a namespace, spelled as JAX's jax.che
         >>> both = p.save_from_both_policies(p.dots_with_no_batch_dims_saveable, p.save_only_these_names("h"))
         >>> both(torch.ops.aten.mm.default), both(torch.ops.functx.checkpoint_name.default, torch.zeros(1), "h")
         (True, True)
+
+        In `functx.checkpoint`, `dots_saveable` keeps `x @ w` and recomputes the `tanh`; the
+        gradient is that without checkpointing:
+
+        >>> w = torch.linspace(-1.0, 1.0, 9).reshape(3, 3)
+        >>> x = torch.linspace(0.0, 1.0, 6).reshape(2, 3)
+        >>> layer = functx.checkpoint(lambda w: torch.tanh(x @ w).sum(), policy=p.dots_saveable)
+        >>> torch.allclose(functx.grad(layer)(w), functx.grad(lambda w: torch.tanh(x @ w).sum())(w))
+        True
+
+        `functx.checkpoint_policies.nothing_saveable` recomputes everything (the plain
+        checkpoint), `everything_saveable` recomputes nothing:
+
+        >>> functx.checkpoint_policies.nothing_saveable(torch.ops.aten.mm.default)
+        False
+        >>> functx.checkpoint_policies.everything_saveable(torch.ops.aten.mm.default)
+        True
+
+    Differences from torch.func:
+        torch has no ready-made policies: a policy for
+        `torch.utils.checkpoint.create_selective_checkpoint_contexts` is a list of ops to
+        keep or a function `policy_fn(ctx, op, *args, **kwargs)` returning a
+        `CheckpointPolicy` (`MUST_SAVE`, `PREFER_RECOMPUTE`, ...); functx's return a bool
+        (True: torch's `MUST_SAVE`, False: `PREFER_RECOMPUTE`). Of JAX's policies, the
+        offloading ones (`save_and_offload_only_these_names`,
+        `offload_dot_with_no_batch_dims`) are absent.
     """
 
     @staticmethod
@@ -396,9 +519,11 @@ class checkpoint_policies:  # noqa: N801  (a namespace, spelled as JAX's jax.che
 
     @staticmethod
     def save_from_both_policies(policy_1: Policy, policy_2: Policy) -> Policy:
-        """Save what `policy_1` or `policy_2` saves."""
-        _check_policy(policy_1, "save_from_both_policies's policy_1")
-        _check_policy(policy_2, "save_from_both_policies's policy_2")
+        """Save what `policy_1` or `policy_2` saves. Both must be policies (callables); None,
+        which `functx.checkpoint` takes for "keep nothing", is refused here: pass the other
+        policy alone, or `functx.checkpoint_policies.nothing_saveable`."""
+        _check_policy(policy_1, "functx.checkpoint_policies.save_from_both_policies's policy_1")
+        _check_policy(policy_2, "functx.checkpoint_policies.save_from_both_policies's policy_2")
         return lambda op, *args, **kwargs: policy_1(op, *args, **kwargs) or policy_2(op, *args, **kwargs)
 
 

@@ -28,7 +28,7 @@ def set_vmap_fallback(mode: str, *, ragged: str | None = None) -> None:
     Args:
         mode (str): "warn" (the default: run once per sample, with one
             `functx.PerformanceWarning` per op), "silent" (the same, without the warning) or
-            "error" (raise, as torch.func does).
+            "error" (raise, as torch.func does for a function that needs a sample's value).
         ragged (str | None, default None): what the per-sample run returns for an output
             whose shape differs between samples: "error" or "nested" (a nested tensor);
             None keeps the current choice.
@@ -51,7 +51,8 @@ def set_vmap_fallback(mode: str, *, ragged: str | None = None) -> None:
         >>> functx.set_vmap_fallback("warn")  # back to the default
 
     Differences from torch.func:
-        torch.func has no fallback: it raises where functx, by default, runs per sample.
+        torch.func has no fallback to choose: it raises where functx, by default, runs a
+        function per sample, and always loops over an op without a batching rule.
     """
     global fallback
     if mode not in _FALLBACK_MODES:
@@ -65,9 +66,31 @@ def set_vmap_fallback(mode: str, *, ragged: str | None = None) -> None:
 
 @contextlib.contextmanager
 def vmap_fallback(mode: str, *, ragged: str | None = None):
-    """Context manager form of `set_vmap_fallback`, restoring the previous choices on exit.
+    """Context manager form of `set_vmap_fallback`: inside the `with` block vmap uses
+    `mode` (and `ragged`) for ops without a rule and for functions that need each sample's
+    Python value; on exit the previous choices come back.
 
-    Example:
+    Args:
+        mode (str): "warn" (run once per sample, with a `functx.PerformanceWarning`: one
+            per op, or one per call of a function that runs per sample), "silent" (the
+            same, without the warning) or "error" (raise: `NotImplementedError` naming the
+            op; for a function, torch.func's `RuntimeError`).
+        ragged (str | None, default None): what the per-sample run returns for an output
+            whose shape differs between samples: "error" or "nested" (a nested tensor);
+            None keeps the current choice.
+
+    Returns:
+        contextlib.AbstractContextManager[None]: the context manager (`as` binds None).
+        On exit, also when the block raises, it restores the mode and `ragged` that held
+        on entry, undoing `set_vmap_fallback` calls made inside the block. The choice is
+        the process's, not the thread's: other threads see it while the block runs.
+
+    Raises:
+        ValueError: a mode or ragged value not among the choices, on entering the `with`
+            block, not at the call
+            ([error catalogue: configuration](../errors.md#configuration-and-extension)).
+
+    Examples:
         >>> import functx, torch
         >>> with functx.vmap_fallback("error"):
         ...     functx.vmap(torch.sin)(torch.ones(2, 3)).shape
@@ -77,6 +100,28 @@ def vmap_fallback(mode: str, *, ragged: str | None = None):
         ...     positive = functx.vmap(lambda v: v[v > 0])(x)
         >>> [t.tolist() for t in positive.unbind()]
         [[1.0, 3.0], [5.0]]
+
+        "error" refuses a function that needs each sample's value:
+
+        >>> f = functx.vmap(lambda v: v if v.sum() > 0 else -v)
+        >>> with functx.vmap_fallback("error"):
+        ...     try:
+        ...         f(x)
+        ...     except RuntimeError:
+        ...         print("refused")
+        refused
+        >>> try:
+        ...     with functx.vmap_fallback("loud"):
+        ...         pass
+        ... except ValueError as error:
+        ...     print(error)
+        vmap fallback mode must be one of ('warn', 'silent', 'error'), got 'loud'
+
+    Differences from torch.func:
+        torch.func has no fallback to choose: for a function that needs a sample's value
+        (a Python `if` on it) it raises, and for an op without a batching rule it runs its
+        own loop, with a warning printed from C++, which only a private function switches
+        off (`torch._C._functorch._set_vmap_fallback_enabled(False)`).
     """
     previous = fallback, globals()["ragged"]
     set_vmap_fallback(mode, ragged=ragged)

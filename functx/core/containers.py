@@ -6,8 +6,8 @@ a whole, never leaf by leaf: an `in_dims` entry for it is one int, a dim of its 
 function it is rebuilt with that dim taken out of its batch shape and out of every leaf; a
 container the function returns comes back with the vmapped dim put at its `out_dims` entry,
 in its batch shape and every leaf. `randomness` applies to the leaves as to any input, and
-`chunk_size` chunks the container along its mapped batch dim (with `narrow`, and joins the
-results with `torch.cat`, which such containers support).
+`chunk_size` chunks the container along its mapped batch dim (with its `split(size, dim)`
+method, and joins the results with `torch.cat`, which such containers support).
 
 A kind of container is registered once, with four functions:
 
@@ -92,31 +92,81 @@ def register_batched_container(
     remove_batch_dim: Callable[[Any, int, MappedDim], Any],
     name: str | None = None,
 ) -> ContainerKind:
-    """Register a kind of container that carries a batch size, so that `functx.vmap` maps
-    over its batch dims (see `functx.core.containers` for the protocol; `types` is a class,
-    a tuple of classes, or a predicate on a class). A later registration of the same
-    classes wins.
+    """Register a kind of container that carries a batch size (its leaves share leading
+    dims, its *batch shape*), so that `functx.vmap` maps over a dim of that batch shape
+    with the container as one argument or output: its `in_dims` / `out_dims` entry is one
+    int, a dim of the batch shape (negative: counted from the end of the batch shape).
+    The protocol is in `functx.core.containers`. A later registration of the same classes
+    wins. `vmap(..., chunk_size=...)` also needs the container's `split(size, dim)`
+    method, and its outputs joined by `torch.cat`.
 
-    Returns the registered `ContainerKind`.
+    Args:
+        types (type | tuple[type, ...] | Callable[[type], bool]): the classes of the
+            containers (subclasses included), or a predicate on a class.
+        batch_shape (Callable[[Any], torch.Size]): `batch_shape(obj)`, the container's
+            batch shape.
+        add_batch_dim (Callable[[Any, int, MappedDim], Any]): `add_batch_dim(obj, in_dim,
+            mapped)`, the container as the function sees it: `mapped.batch(tensor, dim)`
+            takes the mapped dim out of each of its tensors; `in_dim` is normalized
+            (`0 <= in_dim <` the batch shape's length).
+        remove_batch_dim (Callable[[Any, int, MappedDim], Any]): `remove_batch_dim(obj,
+            out_dim, mapped)`, a container the function returned with the mapped dim
+            (`mapped.size` elements) put back at `out_dim` of its batch shape:
+            `mapped.unbatch(tensor, dim)` puts it back into each of its tensors (one that
+            does not depend on the mapped inputs comes back expanded).
+        name (str | None, default None): the kind's name in messages; None: the classes'
+            names (the predicate's `__name__`).
 
-    Example: a dict of tensors with a batch shape, mapped over its last batch dim:
+    Returns:
+        ContainerKind: the registered kind (`functx.core.containers.ContainerKind`).
 
-    >>> import torch, functx
-    >>> class Batch:  # a user's container: a dict of tensors with a batch shape
-    ...     def __init__(self, data, shape):
-    ...         self.data, self.shape = data, torch.Size(shape)
-    >>> kind = functx.register_batched_container(
-    ...     Batch,
-    ...     batch_shape=lambda b: b.shape,
-    ...     add_batch_dim=lambda b, dim, mapped: Batch(
-    ...         {k: mapped.batch(v, dim) for k, v in b.data.items()}, b.shape[:dim] + b.shape[dim + 1:]),
-    ...     remove_batch_dim=lambda b, dim, mapped: Batch(
-    ...         {k: mapped.unbatch(v, dim) for k, v in b.data.items()}, b.shape[:dim] + (mapped.size,) + b.shape[dim:]),
-    ... )
-    >>> b = Batch({"x": torch.ones(2, 5, 3)}, (2, 5))
-    >>> out = functx.vmap(lambda b: Batch({"y": b.data["x"].sum(-1)}, b.shape), in_dims=-1)(b)
-    >>> out.shape, out.data["y"].shape
-    (torch.Size([5, 2]), torch.Size([5, 2]))
+    Raises:
+        TypeError: `types` is not a class, a non-empty tuple of classes or a callable, or
+            one of the three functions is not callable
+            ([error catalogue: configuration](../errors.md#configuration-and-extension)).
+
+    Examples:
+        A user's container, a dict of tensors with a batch shape, mapped over its last
+        batch dim:
+
+        >>> import torch, functx
+        >>> from functx.core.containers import forget  # undoes a registration (internal)
+        >>> class Batch:
+        ...     def __init__(self, data, shape):
+        ...         self.data, self.shape = data, torch.Size(shape)
+        >>> def add_batch_dim(b, dim, mapped):
+        ...     shape = b.shape[:dim] + b.shape[dim + 1:]
+        ...     return Batch({k: mapped.batch(v, dim) for k, v in b.data.items()}, shape)
+        >>> def remove_batch_dim(b, dim, mapped):
+        ...     shape = b.shape[:dim] + (mapped.size,) + b.shape[dim:]
+        ...     return Batch({k: mapped.unbatch(v, dim) for k, v in b.data.items()}, shape)
+        >>> kind = functx.register_batched_container(
+        ...     Batch, batch_shape=lambda b: b.shape, add_batch_dim=add_batch_dim, remove_batch_dim=remove_batch_dim)
+        >>> b = Batch({"x": torch.ones(2, 5, 3)}, (2, 5))
+        >>> out = functx.vmap(lambda b: Batch({"y": b.data["x"].sum(-1)}, b.shape), in_dims=-1)(b)
+        >>> out.shape, out.data["y"].shape
+        (torch.Size([5, 2]), torch.Size([5, 2]))
+        >>> forget(kind)
+
+        Registered by a predicate, with a name; the container returned at `out_dims=1`:
+
+        >>> kind = functx.register_batched_container(
+        ...     lambda cls: issubclass(cls, Batch), name="batches", batch_shape=lambda b: b.shape,
+        ...     add_batch_dim=add_batch_dim, remove_batch_dim=remove_batch_dim)
+        >>> kind
+        ContainerKind(name='batches')
+        >>> out = functx.vmap(lambda b: Batch({"x": 2 * b.data["x"]}, b.shape), out_dims=1)(b)
+        >>> out.shape, out.data["x"].shape
+        (torch.Size([5, 2]), torch.Size([5, 2, 3]))
+        >>> forget(kind)
+
+    Differences from torch.func:
+        torch.func has none: its vmap maps over the tensors of pytrees
+        (`torch.utils._pytree.register_pytree_node` for one's own class), each at the same
+        in_dim, with no batch shape of the container's own. tensordict makes its
+        containers work with torch.func's vmap by replacing functions of torch's vmap
+        implementation (`torch._functorch.vmap`); functx registers TensorDict's kinds
+        itself once `tensordict` is imported.
     """
     if isinstance(types, type):
         types = (types,)

@@ -39,7 +39,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import interpreter as _interpreter  # (imports this module first: use at call time)
-from .forward_ad_state import applying_function
+from .forward_ad_state import applying_at_torch_level, applying_function
 from .level_tensor import LevelTensor, unwrap_dead
 from .patches import patch
 from .recompute import contexts_to_restore
@@ -172,6 +172,9 @@ def _apply(cls, *args, **kwargs):
                 if out is not NotImplemented:
                     return out
                 break
+        if torch._C._is_fwd_grad_enabled():  # torch's forward AD calls its jvp for its own level
+            with function_body(), applying_at_torch_level():
+                return _original_apply_function(cls, *args, **kwargs)
         with function_body():
             return _original_apply_function(cls, *args, **kwargs)
     with applying_function(), function_body():  # torch's forward AD off in its forward and jvp is not the user's

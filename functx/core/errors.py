@@ -12,12 +12,51 @@ ISSUES = "https://github.com/functx/functx/issues"
 
 
 class PerformanceWarning(UserWarning):
-    """An op ran through a slow path (for example vmap's per-sample loop fallback).
+    """The warning functx gives where it computes a result through a slow path: vmap runs
+    an op without a batching rule, an old-style autograd.Function, or a function that reads
+    a sample's Python value (`if x > 0`, `.item()`) once per batch element; `jvp` computes
+    an op's JVP from two reverse passes; `jet` runs an op without a Taylor rule through
+    nested derivatives. The result is right, only slower. A subclass of `UserWarning`.
 
-    Example:
-        >>> import warnings, functx
+    vmap's loop over an op warns once per op and process, an old-style Function once per
+    Function, jet once per op; a function that runs per sample and the double-VJP warn at
+    each call (Python's `warnings` filters then decide what shows). The warning names the
+    user's line. `functx.set_vmap_fallback("silent")` silences vmap's for ops and
+    functions (not old-style Functions), `"error"` raises there instead of running per
+    sample; `warnings` filters take it as any warning class. Each message, its cause and
+    what to do: [error catalogue: warnings](../errors.md#warnings).
+
+    Examples:
+        >>> import warnings, torch, functx
         >>> issubclass(functx.PerformanceWarning, UserWarning)
         True
+
+        A Python `if` on a sample's value: vmap runs the function once per sample, and
+        warns:
+
+        >>> f = functx.vmap(lambda x: x if x.sum() > 0 else -x)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     y = f(torch.tensor([[1.0, 2.0], [-1.0, -2.0]]))
+        >>> [w.category is functx.PerformanceWarning for w in caught], y.tolist()
+        ([True], [[1.0, 2.0], [1.0, 2.0]])
+
+        Made an error, to find the slow paths:
+
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("error", functx.PerformanceWarning)
+        ...     try:
+        ...         f(torch.ones(2, 2))
+        ...     except functx.PerformanceWarning as warning:
+        ...         print(str(warning).split(":")[0])
+        vmap(<lambda>) runs <lambda> once per sample (2 samples)
+
+    Differences from torch.func:
+        torch.func has no such warning class: it raises where functx's vmap runs a function
+        once per sample, refuses old-style Functions, and for an op without a batching rule
+        runs its own loop with a message from C++ ("There is a performance drop because we
+        have not yet implemented the batching rule for <op>") that Python's `warnings`
+        filters do not see.
     """
 
 
@@ -40,6 +79,12 @@ class NeedsPerSampleValues(RuntimeError):
         # value, a tensor of the levels below): what a control-flow operator reduces over
         # the samples (core/control_flow.py: a while_loop runs while any sample goes on)
         self.samples = samples
+
+
+class PrimalDtypeError(ValueError, RuntimeError):
+    """An integer or boolean primal given to a forward transform (`jvp`, `jacfwd`,
+    `linearize`): a ValueError, as torch.func raises, and a RuntimeError, as functx raised
+    before it mirrored that."""
 
 
 class DeadLevelError(RuntimeError):

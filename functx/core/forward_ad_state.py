@@ -82,30 +82,45 @@ class applying_function:
     """While a level applies a `torch.autograd.Function` (core/custom_function.py): torch runs
     the Function's forward and jvp with forward AD off, meant for the level applying it
     (whose rule handles its tangents); the forward levels below must still compute theirs
-    there (torch.func lowers a Function with each level's own forward AD mode)."""
-
-    __slots__ = ()
-
-    def __enter__(self):
-        _outside.functions = getattr(_outside, "functions", 0) + 1
-
-    def __exit__(self, *exc):
-        _outside.functions -= 1
-
-
-class applying_at_torch_level:
-    """While a jvp level on values (torch's forward AD itself) applies a Function with torch's
-    own apply: torch switches forward AD off inside that Function's jvp for this very level,
-    so the levels above's `applying_function` no longer speaks for it."""
+    there (torch.func lowers a Function with each level's own forward AD mode). Counted only
+    where forward AD is on for the op (`user_forward_ad`): a Function applied where it is off
+    (by the user, or by torch inside a Function's jvp at a jvp level on values, after
+    `applying_at_torch_level`) has no tangents at those levels, and counting it made that
+    level switch its forward AD on again for the Function inside its own jvp (a Function
+    whose jvp applies one with a generated vmap rule, under `jvp(jacrev(f))`: the inner jvp
+    called again for the same level, without end)."""
 
     __slots__ = ("_saved",)
 
     def __enter__(self):
         self._saved = getattr(_outside, "functions", 0)
-        _outside.functions = 0
+        if self._saved > 0 or down_state():
+            _outside.functions = self._saved + 1
 
     def __exit__(self, *exc):
         _outside.functions = self._saved
+
+
+class applying_at_torch_level:
+    """While a jvp level on values (torch's forward AD itself) applies a Function with torch's
+    own apply: torch switches forward AD off inside that Function's jvp for this very level,
+    so the levels above's `applying_function` no longer speaks for it, nor does the state an
+    `at_wrappers` around kept (a wrapped jvp over the values: `jvp(jvp(jacrev(f)))` of a
+    Function whose jvp applies one with a generated vmap rule called that jvp again for the
+    same level, without end): inside, torch's own switch is the state."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self):
+        self._saved = (
+            getattr(_outside, "functions", 0),
+            getattr(_outside, "enabled", None),
+            getattr(_outside, "ours", False),
+        )
+        _outside.functions, _outside.enabled, _outside.ours = 0, None, False
+
+    def __exit__(self, *exc):
+        _outside.functions, _outside.enabled, _outside.ours = self._saved
 
 
 def user_forward_ad() -> bool:

@@ -225,16 +225,55 @@ def refresh_views(interp, tensors) -> None:
 
 
 def debug_unwrap(tensor: torch.Tensor, *, recurse: bool = True) -> torch.Tensor:
-    """The tensor under a transform's wrapper (vmap: the physical tensor, batch dims in front;
-    jvp: the primal; grad: the value one level down), all the way down with `recurse=True`,
-    one level with `recurse=False`; any other tensor as it is. For debugging (printing a
-    value in a debugger), as `torch.func.debug_unwrap`: computing with the result inside the
-    transformed function bypasses the transforms.
+    """The tensor under a transform's wrapper, for debugging (printing a value in a
+    debugger): `torch.func.debug_unwrap`. Computing with the result inside the transformed
+    function bypasses the transforms.
 
-    Example:
+    Under `vmap` it is the physical tensor, its batch dims in front; under a wrapped
+    forward level (`jacrev(jacfwd(f))`) the primal; under a wrapped grad level
+    (`grad(hessian(f))`) the value one level down. The levels that run on torch's own
+    autograd (the outermost `grad`, `vjp`, `jvp`, `hessian`; the `grad` of
+    `vmap(grad(f))`) add no wrapper: a plain tensor there comes back as it is.
+
+    Args:
+        tensor (torch.Tensor): the value to unwrap. Anything else (a plain tensor, a
+            non-tensor) comes back as it is.
+        recurse (bool, default True): unwrap all the way down; False: one level.
+
+    Returns:
+        torch.Tensor: the unwrapped tensor.
+
+    Raises:
+        Nothing: a value that is not wrapped is returned as it is. A tensor that escaped its
+            vmap unwraps to its physical value where any other use raises `DeadLevelError`
+            ([error catalogue: vmap inside the function](../errors.md#vmap-inside-the-function)).
+
+    Examples:
         >>> import torch, functx
         >>> functx.vmap(lambda t: torch.tensor(functx.debug_unwrap(t).dim()))(torch.ones(3, 4))
         tensor([2, 2, 2])
+
+        In nested vmaps, all levels or one; the batch dim comes first whatever the in_dim:
+
+        >>> def show(t):
+        ...     print(tuple(functx.debug_unwrap(t).shape), tuple(functx.debug_unwrap(t, recurse=False).shape))
+        ...     return t
+        >>> _ = functx.vmap(functx.vmap(show))(torch.ones(2, 3, 4))
+        (2, 3, 4) (3, 4)
+        >>> _ = functx.vmap(show, in_dims=1)(torch.ones(3, 4))
+        (4, 3) (4, 3)
+
+        A plain tensor comes back as it is:
+
+        >>> x = torch.ones(2)
+        >>> functx.debug_unwrap(x) is x
+        True
+
+    Differences from torch.func:
+        `torch.func.debug_unwrap` gives vmap's physical tensor with the batch dim where it
+        happens to be (`in_dims=1`: dim 1); functx's puts it first. Under the outermost
+        `grad` and `jvp` torch.func's unwraps to a tensor that carries no gradient or
+        tangent; functx's returns the tensor the function sees, which carries them.
     """
     while isinstance(tensor, LevelTensor):
         tensor = tensor._value

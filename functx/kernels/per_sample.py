@@ -47,6 +47,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import ops
@@ -54,13 +55,44 @@ from . import ops
 
 class LayerGradients:
     """Per-sample gradients of `module`'s trainable parameters (its submodules' too) from
-    one call: its positional inputs `args` (batch first), keyword inputs `kwargs` (the same
-    for every sample), and `grad_output`, the gradient of the summed per-sample losses with
-    respect to its output (a tuple, with None for non-tensor items, where the output is).
+    one call, kept implicit: from the call's inputs and its output's gradient, the
+    per-sample squared norms (`norms_sq`), weighted sums (`weighted_sum`) and, when asked,
+    the per-sample gradients themselves (`per_sample`).
 
-    Example:
+    `layer_gradients` returns one (a subclass with a kernel for the layer's type, or one
+    that materialises the gradients by `vmap`); construct one yourself to write a kernel.
+    A subclass defines `_per_sample()` -> `{name: (B, *param.shape) tensor}` for the names
+    in `self.names` (the base's `norms_sq`, `weighted_sum` and `release` read them), or
+    overrides those methods to avoid materialising. It reads `self.module`, `self.args`,
+    `self.kwargs`, `self.grad_output`, `self.names` (the trainable parameters' names, as
+    `module.named_parameters()` gives them) and `self.batch` (B, from `grad_output`'s
+    first tensor; where every entry is None, from the inputs' first tensor). Construction
+    computes nothing: it checks `grad_output`'s types and that its tensors have the batch
+    first, not their shapes against the layer's output (`layer_gradients` checks those).
+    Without trainable parameters `norms_sq` gives zeros of shape (B,).
+
+    Args:
+        module (torch.nn.Module): the layer that was called.
+        args (tuple | Any): its positional inputs, batch first; anything but a tuple is one
+            input (as `functional_call`'s `args`).
+        grad_output (Tensor | tuple): the gradient of the summed per-sample losses with
+            respect to the call's output: a tensor, or a tuple with one entry per output
+            item (None for items without a gradient).
+        kwargs (dict | None, default None): its keyword inputs (the same for every sample).
+
+    Raises:
+        NotImplementedError: `per_sample`, `norms_sq` or `weighted_sum` of a class that
+            neither defines `_per_sample` nor overrides the method (the base class itself).
+        TypeError: `grad_output` is neither a tensor nor a tuple or list of tensors and
+            Nones.
+        ValueError: a tensor of `grad_output` is 0-dim or does not have the batch (its
+            first tensor's dim 0) first; every entry is None and `args` holds no tensor
+            ([error catalogue: functx.kernels](../errors.md#functxkernels)).
+
+    Examples:
         >>> import torch
         >>> from functx.kernels import LayerGradients, layer_gradients
+        >>> _ = torch.manual_seed(0)
         >>> a, g = torch.randn(4, 3), torch.randn(4, 2)  # the layer's input, its output's gradient
         >>> grads = layer_gradients(torch.nn.Linear(3, 2), (a,), g)
         >>> isinstance(grads, LayerGradients)
@@ -71,16 +103,52 @@ class LayerGradients:
         >>> full = sum(p.flatten(1).pow(2).sum(1) for p in per_sample.values())
         >>> torch.allclose(grads.norms_sq(), full)
         True
+
+        What a kernel reads: the trainable parameters' names and the batch size (for a
+        tuple output, from the first tensor of `grad_output`).
+
+        >>> call = LayerGradients(torch.nn.Linear(3, 2), (a,), torch.randn(4, 2))
+        >>> call.names, call.batch
+        (['weight', 'bias'], 4)
+        >>> lstm = torch.nn.LSTM(3, 2, batch_first=True)  # output: (out, (h_n, c_n))
+        >>> LayerGradients(lstm, (torch.randn(4, 5, 3),), (torch.randn(4, 5, 2), None)).batch
+        4
+
+        A kernel for a layer `y = w * x` (elementwise): sample b's gradient is `g_b * x_b`.
+
+        >>> class Scale(torch.nn.Module):
+        ...     def __init__(self, n):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.ones(n))
+        ...     def forward(self, x):
+        ...         return self.weight * x
+        >>> class ScaleGradients(LayerGradients):
+        ...     def _per_sample(self):
+        ...         return {"weight": self.grad_output * self.args[0]}
+        >>> x, g = torch.randn(4, 3), torch.randn(4, 3)
+        >>> grads = ScaleGradients(Scale(3), (x,), g)
+        >>> torch.allclose(grads.norms_sq(), (g * x).pow(2).sum(1))
+        True
+        >>> torch.allclose(grads.weighted_sum(torch.ones(4))["weight"], (g * x).sum(0))
+        True
+
+    Differences from torch.func:
+        torch.func has no per-layer kernels: per-sample gradients are
+        `vmap(grad(...))` of a `functional_call`, every parameter's gradient made B times.
+        Opacus's per-layer grad samplers (`register_grad_sampler`) compute them from the
+        layer's activations and backprops, also materialised (in `p.grad_sample`). A
+        `LayerGradients` answers norms and weighted sums from the same two inputs lazily, so
+        a kernel can skip the B copies (functx's Linear and Embedding kernels do, where that
+        takes less memory).
     """
 
     def __init__(self, module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None):
         self.module = module
-        self.args = args
+        self.args = _as_args(args)
         self.kwargs = kwargs or {}
         self.grad_output = grad_output
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
-        first = grad_output if isinstance(grad_output, Tensor) else next(g for g in grad_output if g is not None)
-        self.batch = first.shape[0]
+        self.batch, self._zeros_dtype, self._zeros_device = _batch_of(module, self.args, grad_output)
 
     def per_sample(self) -> dict[str, Tensor]:
         """name -> (B, *param.shape): each sample's gradient (made once: the norms and the
@@ -96,6 +164,8 @@ class LayerGradients:
     def norms_sq(self) -> Tensor:
         """(B,): each sample's squared gradient norm over this layer's parameters."""
         grads = self.per_sample()
+        if not grads:  # no trainable parameters: zeros, not the int 0 of an empty sum
+            return torch.zeros(self.batch, dtype=self._zeros_dtype, device=self._zeros_device)
         return sum(g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values())
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
@@ -266,9 +336,18 @@ class MaterializedGradients(LayerGradients):
         from ..nn import functional_call
         from ..vmap import vmap
 
-        module, kwargs = self.module, self.kwargs
+        module, kwargs, batch = self.module, self.kwargs, self.batch
+        if not self.names:  # nothing trainable: no per-sample gradients to make
+            return {}
         params = {n: p.detach() for n, p in module.named_parameters() if n in self.names}
         tensors = [i for i, a in enumerate(self.args) if isinstance(a, Tensor)]
+        for i in tensors:  # each is called one sample at a time
+            shape = tuple(self.args[i].shape)
+            if not shape or shape[0] != batch:
+                raise ValueError(
+                    f"layer_gradients: args[{i}] has shape {shape}, whose first dim is not the batch ({batch}, "
+                    f"grad_output's first dim): pass the inputs the layer was called with, batch first"
+                )
         several = not isinstance(self.grad_output, Tensor)
 
         def one(g_b, *batched):
@@ -280,6 +359,10 @@ class MaterializedGradients(LayerGradients):
                 """⟨output, its gradient⟩: its gradient is the vjp with that cotangent (as grad,
                 which composes with vmap where vjp does not: an LSTM's zero initial state)."""
                 out = functional_call(module, params, tuple(args), kwargs)
+                # the output of one sample (a batch of one) against its gradient, reported with B
+                _check_fits(
+                    module, out, g_b, lambda o: (batch, *o.shape[1:]) if o.dim() else (), lambda g: (batch, *g.shape)
+                )
                 if not several:
                     return (out * g_b.unsqueeze(0)).sum()
                 return sum((o * g.unsqueeze(0)).sum() for o, g in zip(out, g_b) if g is not None)
@@ -294,20 +377,195 @@ class MaterializedGradients(LayerGradients):
             return vmap(one, in_dims=in_dims)(grad_output, *(self.args[i].detach() for i in tensors))
 
 
+class ZeroGradients(LayerGradients):
+    """A call whose output no gradient reached (`grad_output` all None): every sample's
+    gradient is zero, as autograd reads a None gradient. Nothing is materialised for the
+    norms and the sum."""
+
+    def _per_sample(self):
+        return {n: torch.zeros((self.batch, *p.shape), dtype=p.dtype, device=p.device) for n, p in self._trainable()}
+
+    def norms_sq(self):
+        return torch.zeros(self.batch, dtype=self._zeros_dtype, device=self._zeros_device)
+
+    def weighted_sum(self, weights):
+        return {n: torch.zeros_like(p) for n, p in self._trainable()}
+
+    def release(self):
+        """Nothing is kept: the sum is zeros."""
+        self.args = self.kwargs = self.grad_output = None
+
+    def _trainable(self):
+        return [(n, p) for n, p in self.module.named_parameters() if n in self.names]
+
+
+def _as_args(args) -> tuple:
+    """The positional inputs as a tuple: anything but a tuple is one input (as
+    `functional_call`'s `args`)."""
+    return args if isinstance(args, tuple) else (args,)
+
+
+def _batch_of(module: nn.Module, args: tuple, grad_output) -> tuple:
+    """(B, the dtype and device of zero norms), `grad_output`'s types checked: B from its
+    first tensor or, when every entry is None (no gradient reached the output), from the
+    inputs' first tensor (both batch first). Zero norms take the gradient's dtype and
+    device, or the trainable parameters'."""
+    if isinstance(grad_output, Tensor):
+        given = [grad_output]
+    elif isinstance(grad_output, (tuple, list)):
+        wrong = [type(g).__name__ for g in grad_output if g is not None and not isinstance(g, Tensor)]
+        if wrong:
+            raise TypeError(f"layer_gradients: grad_output's entries must be tensors or None, got {wrong[0]}")
+        given = [g for g in grad_output if g is not None]
+    else:
+        raise TypeError(
+            f"layer_gradients: grad_output must be a tensor, or a tuple with one entry per output item (a tensor, "
+            f"or None for an item without a gradient), got {type(grad_output).__name__}"
+        )
+    if given:
+        first, source = given[0], "grad_output"
+    else:
+        inputs = [a for a in pytree.tree_leaves(args) if isinstance(a, Tensor)]
+        if not inputs:
+            raise ValueError(
+                "layer_gradients: every grad_output entry is None (no gradient reached the output: the per-sample "
+                "gradients are zero) and args holds no tensor to give the batch size: pass the batch-first inputs "
+                "the layer was called with"
+            )
+        first, source = inputs[0], "args"
+    if first.dim() == 0:
+        raise ValueError(
+            f"layer_gradients: the batch size is read from dim 0 of {source}'s first tensor, which is 0-dim: pass "
+            f"tensors with the batch first"
+        )
+    several = not isinstance(grad_output, Tensor)
+    for i, g in enumerate(grad_output if several else (grad_output,)):
+        if g is not None and (g.dim() == 0 or g.shape[0] != first.shape[0]):
+            where = f"[{i}]" if several else ""
+            raise ValueError(
+                f"layer_gradients: grad_output{where} has shape {tuple(g.shape)}, whose first dim "
+                f"is not the batch ({first.shape[0]}, from grad_output's first tensor): every tensor of grad_output "
+                f"must have the batch first (None for an output item without a gradient, or not batch first, as an "
+                f"LSTM's (h_n, c_n))"
+            )
+    params = [p for p in module.parameters() if p.requires_grad and p.is_floating_point()]
+    like = first if given and first.is_floating_point() else (params[0] if params else None)
+    dtype = like.dtype if like is not None else torch.get_default_dtype()
+    return first.shape[0], dtype, like.device if like is not None else first.device
+
+
+def _check_fits(module: nn.Module, output, grad_output, out_shape=None, grad_shape=None) -> None:
+    """Raise unless `grad_output` fits the call's `output`: a tensor of the output's shape
+    for a tensor; for a tuple, one entry per item, None or a tensor of the item's shape (None
+    for an item that is not a tensor). `out_shape` / `grad_shape`: the shape to compare and
+    report for a tensor of each (default: its shape; MaterializedGradients compares one
+    sample's and reports them with the batch)."""
+    out_shape = out_shape or (lambda t: tuple(t.shape))
+    grad_shape = grad_shape or (lambda t: tuple(t.shape))
+    layer = type(module).__name__
+    fix = "pass the gradient of the loss with respect to the layer's output (the output's shape, batch first)"
+    if isinstance(output, Tensor):
+        if not isinstance(grad_output, Tensor):
+            raise ValueError(
+                f"layer_gradients: {layer} returned one tensor, of shape {out_shape(output)}, but grad_output is a "
+                f"{type(grad_output).__name__}: {fix}, as one tensor"
+            )
+        if out_shape(output) != grad_shape(grad_output):
+            raise ValueError(
+                f"layer_gradients: grad_output has shape {grad_shape(grad_output)}, but {layer}'s output has shape "
+                f"{out_shape(output)}: {fix}"
+            )
+        return
+    if not isinstance(output, (tuple, list)):
+        raise TypeError(
+            f"layer_gradients: {layer} returned {type(output).__name__}; per-sample gradients need a layer that "
+            f"returns a tensor or a tuple of tensors"
+        )
+    if isinstance(grad_output, Tensor) or len(grad_output) != len(output):
+        count = len(grad_output) if not isinstance(grad_output, Tensor) else 0
+        given = "a tensor" if isinstance(grad_output, Tensor) else f"{count} entr{'y' if count == 1 else 'ies'}"
+        raise ValueError(
+            f"layer_gradients: {layer} returned a {type(output).__name__} of {len(output)} items, but grad_output has "
+            f"{given}: pass a tuple with one entry per item (None for an item without a gradient)"
+        )
+    for i, (o, g) in enumerate(zip(output, grad_output)):
+        if g is None:
+            continue
+        if not isinstance(o, Tensor):
+            raise ValueError(
+                f"layer_gradients: {layer}'s output[{i}] is a {type(o).__name__}, not a tensor, but grad_output[{i}] "
+                f"is a tensor: per-sample gradients read the output's top-level tensors only; pass None there"
+            )
+        if out_shape(o) != grad_shape(g):
+            raise ValueError(
+                f"layer_gradients: grad_output[{i}] has shape {grad_shape(g)}, but {layer}'s output[{i}] has shape "
+                f"{out_shape(o)}: {fix}"
+            )
+
+
+_UNKNOWN = object()  # _meta_output: the layer cannot run on the meta device
+
+
+def _meta_output(module: nn.Module, args: tuple, kwargs: dict):
+    """The call's output on the meta device (shapes, no data, no computation), to check
+    `grad_output` against; `_UNKNOWN` where the layer cannot run there (an op without a meta
+    kernel, a forward that reads values). The forward is called directly (`module.forward`),
+    so the layer's own hooks do not run; the module is left as it was. Inputs its forward
+    refuses are an error."""
+    from ..nn.functional_call import _swapped
+
+    def meta(t):
+        return t.detach().to("meta") if isinstance(t, Tensor) else t
+
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    state = {name: meta(t) for name, t in named}
+    meta_args, meta_kwargs = pytree.tree_map(meta, (args, kwargs))
+    try:
+        with torch.no_grad(), _swapped(module, state):
+            return module.forward(*meta_args, **meta_kwargs)
+    except Exception as error:
+        if isinstance(error, NotImplementedError) or "meta" in str(error).lower():
+            return _UNKNOWN
+        shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else type(a).__name__ for a in args)
+        raise ValueError(
+            f"layer_gradients: {type(module).__name__} cannot be called on args of shapes [{shapes}]: "
+            f"{str(error).rstrip('.')}. Pass the inputs the layer was called with, batch first"
+        ) from error
+
+
 _KERNELS: dict = {}  # layer type -> kernel(module, args, grad_output, kwargs) -> LayerGradients | None
 
 
 def register_layer_gradients(layer_type: type, kernel=None):
     """Make `kernel` the per-sample gradients of layers of exactly `layer_type` (the habit of
-    Opacus's `register_grad_sampler`): `kernel(module, args, grad_output, kwargs)` returns a
-    `LayerGradients`, or None where it does not apply to this call (then the layer's
-    gradients are materialised). A `LayerGradients` subclass is a kernel itself. Replaces
-    what was registered for the type before (functx's own kernels too). As a decorator:
+    Opacus's `register_grad_sampler`), for `layer_gradients` and so `functx.dp.clipped_grad`.
+
+    `kernel(module, args, grad_output, kwargs)` returns a `LayerGradients`, or None where it
+    does not apply to this call (then the layer's gradients are materialised). A
+    `LayerGradients` subclass is a kernel itself. Replaces what was registered for the type
+    before (functx's own kernels too); subclasses of `layer_type` are not covered. A
+    registration lasts for the process: there is no unregistering. As a decorator:
     `@register_layer_gradients(MyLayer)`.
 
-    Example:
+    Args:
+        layer_type (type): the layer class (an `nn.Module` subclass), matched exactly.
+        kernel (Callable | None, default None): `kernel(module, args, grad_output, kwargs)`
+            -> `LayerGradients | None`; None: return a decorator that registers its
+            argument.
+
+    Returns:
+        Callable: `kernel` itself, or with `kernel=None` the decorator (which returns what
+        it decorates).
+
+    Raises:
+        TypeError: `layer_type` is not a class; `kernel` (or what the decorator is applied
+            to) is not callable
+            ([error catalogue: functx.kernels](../errors.md#functxkernels)).
+
+    Examples:
         >>> import torch
         >>> from functx.kernels import LayerGradients, layer_gradients, register_layer_gradients
+        >>> _ = torch.manual_seed(0)
         >>> class Scale(torch.nn.Module):  # y = w * x, elementwise
         ...     def __init__(self, n):
         ...         super().__init__()
@@ -322,6 +580,26 @@ def register_layer_gradients(layer_type: type, kernel=None):
         >>> grads = layer_gradients(Scale(3), (x,), g)
         >>> type(grads).__name__, torch.allclose(grads.norms_sq(), (g * x).pow(2).sum(1))
         ('ScaleGradients', True)
+
+        A function kernel that declines some calls (None: materialised instead), here
+        sequences, where sample b's gradient sums over the positions:
+
+        >>> def scale_kernel(module, args, grad_output, kwargs):
+        ...     return ScaleGradients(module, args, grad_output) if args[0].dim() == 2 else None
+        >>> register_layer_gradients(Scale, scale_kernel) is scale_kernel
+        True
+        >>> x, g = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+        >>> per_sample = layer_gradients(Scale(3), (x,), g).per_sample()
+        >>> torch.allclose(per_sample["weight"], (g * x).sum(1), atol=1e-6)
+        True
+
+    Differences from torch.func:
+        torch.func has no per-layer kernels: per-sample gradients are `vmap(grad(...))` of
+        a `functional_call`, for every layer alike. Opacus's `register_grad_sampler` maps a
+        layer type to a function of (layer, activations, backprops) that returns the
+        materialised per-sample gradients; a functx kernel is called with the call's
+        inputs, output gradient and keyword inputs, returns a `LayerGradients` that may
+        give norms and weighted sums without materialising, and may decline a call.
     """
     if not isinstance(layer_type, type):
         raise TypeError(f"register_layer_gradients: expected a layer type (a class), got {layer_type!r}")
@@ -336,15 +614,55 @@ def register_layer_gradients(layer_type: type, kernel=None):
 
 
 def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | None = None) -> LayerGradients:
-    """The per-sample gradients of `module`'s trainable parameters in one call (positional
-    inputs `args`, batch first; keyword inputs `kwargs`, shared; `grad_output` the gradient
-    of the summed per-sample losses with respect to the call's output), by the kernel
-    registered for the layer's type (`register_layer_gradients`), or materialised for a
-    layer without one.
+    """The per-sample gradients of `module`'s trainable parameters in one call, as a
+    `LayerGradients`: by the kernel registered for the layer's exact type
+    (`register_layer_gradients`), or materialised by functx's `vmap` of the layer's vjp for
+    a layer without one (or whose kernel returns None for this call).
 
-    Example:
+    functx's own kernels cover `nn.Linear`, `nn.Embedding` (without `max_norm` or
+    `scale_grad_by_freq`), zero-padded `nn.Conv1d`/`Conv2d`/`Conv3d`, `nn.LayerNorm` and
+    `nn.GroupNorm`, for calls with one positional input, no keyword inputs and one output
+    tensor. These and the materialised fallback do the work on the first call of a method
+    (`norms_sq`, `weighted_sum`, `per_sample`), not here.
+
+    `grad_output` must fit the call's output: for a layer with a kernel (whose formulas
+    read the shapes) it is checked here, against the output of the layer called on the
+    meta device (shapes only, no data; the layer's own forward hooks do not run; a layer
+    that cannot run there, an op without a meta kernel, is not checked here); for a
+    materialised layer, by its own forward, on the first method call. A None entry means
+    that item's gradient is zero (as for autograd); with every entry None the per-sample
+    gradients are zero (a `ZeroGradients`: the batch size from `args`' first tensor).
+
+    Args:
+        module (torch.nn.Module): the layer that was called.
+        args (tuple | Any): its positional inputs, batch first; anything but a tuple is one
+            input (`layer_gradients(layer, x, g)` is `layer_gradients(layer, (x,), g)`, as
+            for `functional_call`'s `args`).
+        grad_output (Tensor | tuple): the gradient of the summed per-sample losses with
+            respect to the call's output: a tensor of the output's shape, or, for a tuple
+            output, a tuple with one entry per item (None for an item without a gradient
+            or that is not a tensor).
+        kwargs (dict | None, default None): its keyword inputs (the same for every sample).
+
+    Returns:
+        LayerGradients: the call's per-sample gradients, kept implicit.
+
+    Raises:
+        TypeError: `grad_output` is neither a tensor nor a tuple or list of tensors and
+            Nones; the layer returns something other than a tensor or a tuple.
+        ValueError: `grad_output` does not fit the call's output (a shape other than the
+            output's, a tuple for a tensor output or the wrong number of entries, a tensor
+            for an output item that is not one; the message names the expected and given
+            shapes); a tensor of `grad_output` or of `args` (materialised layers) without
+            the batch first; the layer's forward refuses `args` (a layer with a kernel);
+            every entry of `grad_output` is None and `args` holds no tensor.
+        Exception: whatever a registered kernel raises
+            ([error catalogue: functx.kernels](../errors.md#functxkernels)).
+
+    Examples:
         >>> import torch
         >>> from functx.kernels import layer_gradients
+        >>> _ = torch.manual_seed(0)
         >>> a, g = torch.randn(5, 3), torch.randn(5, 2)  # the layer's input, its output's gradient
         >>> grads = layer_gradients(torch.nn.Linear(3, 2), (a,), g)
         >>> grads.norms_sq().shape  # each sample's squared gradient norm
@@ -352,12 +670,69 @@ def layer_gradients(module: nn.Module, args: tuple, grad_output, kwargs: dict | 
         >>> total = grads.weighted_sum(torch.ones(5))  # the sum of the per-sample gradients
         >>> torch.allclose(total["weight"], g.T @ a), torch.allclose(total["bias"], g.sum(0))
         (True, True)
+
+        One input may be given alone; `grad_output` must have the output's shape; a None
+        gradient is zero:
+
+        >>> torch.equal(layer_gradients(torch.nn.Linear(3, 2), a, g).norms_sq(), grads.norms_sq())
+        True
+        >>> layer_gradients(torch.nn.Linear(3, 2), a, torch.randn(5, 3))
+        Traceback (most recent call last):
+        ...
+        ValueError: layer_gradients: grad_output has shape (5, 3), but Linear's output has shape (5, 2): pass the gradient of the loss with respect to the layer's output (the output's shape, batch first)
+        >>> layer_gradients(torch.nn.Linear(3, 2), a, (None,)).norms_sq()
+        tensor([0., 0., 0., 0., 0.])
+
+        On sequences (B, T, d) the norms match torch.func's per-sample gradients, which
+        are not made here (the "ghost norm": T is small next to the weight):
+
+        >>> layer = torch.nn.Linear(16, 8)
+        >>> a, g = torch.randn(3, 4, 16), torch.randn(3, 4, 8)
+        >>> params = {k: v.detach() for k, v in layer.named_parameters()}
+        >>> def paired(p, a_b, g_b):  # <output, output gradient>: its gradient is the vjp
+        ...     return (torch.func.functional_call(layer, p, (a_b,)) * g_b).sum()
+        >>> ref = torch.func.vmap(torch.func.grad(paired), in_dims=(None, 0, 0))(params, a, g)
+        >>> torch.allclose(layer_gradients(layer, (a,), g).norms_sq(),
+        ...                sum(v.flatten(1).pow(2).sum(1) for v in ref.values()))
+        True
+
+        A layer without a kernel (two inputs) is materialised:
+
+        >>> bilinear = torch.nn.Bilinear(3, 2, 4)
+        >>> x1, x2, g = torch.randn(5, 3), torch.randn(5, 2), torch.randn(5, 4)
+        >>> per_sample = layer_gradients(bilinear, (x1, x2), g).per_sample()
+        >>> torch.allclose(per_sample["weight"], torch.einsum("bo,bi,bj->boij", g, x1, x2), atol=1e-6)
+        True
+
+    Differences from torch.func:
+        torch.func has no per-layer kernels: per-sample gradients are `vmap(grad(...))` of
+        a `functional_call`, every parameter's gradient made B times (as the reference
+        above). Opacus computes them per layer type from hooks' activations and backprops,
+        into `p.grad_sample`. `layer_gradients` takes one call's inputs and output gradient
+        and returns an object that gives the norms and weighted sums without the B copies
+        where a kernel allows it.
     """
+    return _layer_gradients(module, args, grad_output, kwargs, check=True)
+
+
+def _layer_gradients(module, args, grad_output, kwargs, check: bool) -> LayerGradients:
+    """`layer_gradients`; `check=False` (functx.dp, whose output gradients come from
+    autograd, shaped as the outputs) skips the meta-device call that checks `grad_output`'s
+    shapes for a layer with a kernel."""
+    args = _as_args(args)
+    _batch_of(module, args, grad_output)  # grad_output's types, the batch size
+    if not isinstance(grad_output, Tensor) and all(g is None for g in grad_output):
+        return ZeroGradients(module, args, grad_output, kwargs)
     kernel = _KERNELS.get(type(module))
     if kernel is not None:
+        if check:  # kernels read the shapes by formulas: a wrong one gives wrong numbers
+            output = _meta_output(module, args, kwargs or {})
+            if output is not _UNKNOWN:
+                _check_fits(module, output, grad_output)
         grads = kernel(module, args, grad_output, kwargs)
         if grads is not None:
             return grads
+    # the layer's own forward, called per sample, checks grad_output's shapes
     return MaterializedGradients(module, args, grad_output, kwargs)
 
 
@@ -381,7 +756,7 @@ def _embedding(module, args, grad_output, kwargs):
 def _convolution(module, args, grad_output, kwargs):
     if not (_plain(args, grad_output, kwargs) and _zero_padded(module)):
         return None
-    positions = grad_output[0, 0].numel()
+    positions = grad_output.shape[2:].numel()
     if type(module) is not nn.Conv3d and module.groups == 1 and 2 * positions * positions < module.weight.numel():
         return ConvGradients(module, args, grad_output)  # the ghost norm is cheaper
     # materialised (grouped convolution or unfold, by the operator's measured rule)

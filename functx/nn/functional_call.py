@@ -44,6 +44,39 @@ def functional_call(
     module's computation as a pure function of its state (what `vmap`, `grad` and ensembles
     transform).
 
+    `functional_call(module, params, x)` computes `module(x)` as if the module's tensors
+    were those in `params`, for this call only: afterwards the module holds its own
+    parameter and buffer objects again. The given tensors can be anything a transform
+    passes (batched, differentiated), which is how `grad` differentiates a module's
+    parameters and `vmap(grad(...))` gives per-sample gradients.
+
+    How it behaves:
+
+    - **Names** are those of `module.named_parameters()` and `module.named_buffers()`
+      (`"0.weight"`, `"bn.running_mean"`); names not given keep the module's own tensor.
+      Parameters and buffers can come in separate dicts (a tuple or list of dicts with
+      distinct keys).
+    - **`args`**: a tuple is the positional arguments; anything else is the one positional
+      argument (pass a tuple argument as `((t1, t2),)`).
+    - **Tied weights** (one tensor under two names, `decoder.weight = encoder.weight`):
+      with `tie_weights=True` a value given for one name is used for all names of the
+      group, and different values for names of one group raise. With
+      `tie_weights=False` each name takes only its own value and the others keep the
+      module's tensor.
+    - **Writes**: a forward that updates a buffer in place (batch-norm running statistics
+      in training mode) updates the tensor that was passed; one that re-assigns an
+      attribute (`self.count = self.count + 1`) stores the new value in the passed dict
+      under that name. The module itself is not changed. `return_state=True` makes the
+      call pure instead.
+    - **Parametrizations** (`torch.nn.utils.parametrize`): a value for `"weight"` is used
+      as the weight itself, bypassing the parametrization (which must then define
+      `right_inverse`, as in torch.func); a value for
+      `"parametrizations.weight.original"` goes through the parametrization.
+    - **Gradients**: pass detached tensors (`{k: v.detach() for k, v in
+      model.named_parameters()}`) when you differentiate with `grad` and need no
+      `torch.autograd` graph outside it: the gradients then keep no graph, which saves
+      memory and time.
+
     Args:
         module (torch.nn.Module): the module to call. It is left as it was: the same
             parameter and buffer objects, also when its forward raises.
@@ -79,23 +112,77 @@ def functional_call(
             ([error catalogue: modules](../errors.md#modules-functional_call-stack_module_state-make_functional-ensemble)).
 
     Examples:
+        Other weights for one call; the module keeps its own:
+
         >>> import torch, functx
         >>> model = torch.nn.Linear(3, 2)
         >>> params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
         >>> functx.functional_call(model, params, torch.ones(1, 3))
         tensor([[0., 0.]])
+        >>> bool(model.weight.abs().sum() > 0)
+        True
 
-        Per-sample gradients of a module's loss:
+        Parameters and buffers in separate dicts, and `strict`:
 
-        >>> params = {k: v.detach() for k, v in model.named_parameters()}
-        >>> def loss(params, x):
-        ...     return functx.functional_call(model, params, (x[None],)).sum()
-        >>> grads = functx.vmap(functx.grad(loss), in_dims=(None, 0))(params, torch.randn(5, 3))
-        >>> grads["weight"].shape
-        torch.Size([5, 2, 3])
+        >>> import torch, functx
+        >>> class Affine(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.randn(1, 1))
+        ...         self.register_buffer("shift", torch.randn(1))
+        ...     def forward(self, x):
+        ...         return self.weight @ x + self.shift
+        >>> mod, x = Affine(), torch.tensor([[5.0]])
+        >>> functx.functional_call(mod, ({"weight": torch.ones(1, 1)}, {"shift": torch.zeros(1)}), x).item()
+        5.0
+        >>> try:
+        ...     functx.functional_call(mod, {"weight": torch.ones(1, 1)}, x, strict=True)
+        ... except RuntimeError as error:
+        ...     print("Missing key(s): 'shift'" in str(error))
+        True
 
-        Pure batch norm (`return_state`):
+        Tied weights (`foo_tied` is `foo`):
 
+        >>> import torch, functx
+        >>> class Tied(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.foo = torch.nn.Parameter(torch.tensor(1.0))
+        ...         self.foo_tied = self.foo
+        ...     def forward(self, x):
+        ...         return x + self.foo + self.foo_tied
+        >>> mod, zero = Tied(), torch.tensor(0.0)
+        >>> mod(zero).item()
+        2.0
+        >>> functx.functional_call(mod, {"foo": zero}, zero).item()  # foo_tied follows foo
+        0.0
+        >>> functx.functional_call(mod, {"foo": zero}, zero, tie_weights=False).item()  # foo_tied stays 1
+        1.0
+        >>> functx.functional_call(mod, {"foo": zero, "foo_tied": zero}, zero).item()
+        0.0
+
+        Writes in the forward land in the passed tensors and dict, not in the module:
+
+        >>> import torch, functx
+        >>> class Counter(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.register_buffer("count", torch.tensor(0.0))
+        ...     def forward(self, x):
+        ...         self.count = self.count + 1
+        ...         return x + self.count
+        >>> mod, state = Counter(), {"count": torch.tensor(0.0)}
+        >>> functx.functional_call(mod, state, torch.tensor(0.0)).item(), state["count"].item(), mod.count.item()
+        (1.0, 1.0, 0.0)
+        >>> bn, batch = torch.nn.BatchNorm1d(2), torch.tensor([[0.0, 2.0], [2.0, 4.0]])
+        >>> stats = {k: v.clone() for k, v in bn.named_buffers()}
+        >>> _ = functx.functional_call(bn, stats, batch)
+        >>> torch.allclose(stats["running_mean"], 0.1 * batch.mean(0)), bn.running_mean.tolist()
+        (True, [0.0, 0.0])
+
+        Pure batch norm (`return_state`): the passed state is left as it was:
+
+        >>> import torch, functx
         >>> bn = torch.nn.BatchNorm1d(2)
         >>> state = {k: v.clone() for k, v in bn.named_buffers()}
         >>> out, new_state = functx.functional_call(
@@ -103,10 +190,59 @@ def functional_call(
         >>> new_state["running_mean"], state["running_mean"]
         (tensor([0.1000, 0.3000]), tensor([0., 0.]))
 
+        The gradient with respect to the parameters, checked against
+        `torch.autograd.grad` on the module; detached parameters give gradients without
+        a graph:
+
+        >>> import torch, functx
+        >>> model = torch.nn.Linear(3, 3)
+        >>> x, t = torch.randn(4, 3), torch.randn(4, 3)
+        >>> def compute_loss(params, x, t):
+        ...     return torch.nn.functional.mse_loss(functx.functional_call(model, params, x), t)
+        >>> grads = functx.grad(compute_loss)(dict(model.named_parameters()), x, t)
+        >>> reference = torch.autograd.grad(torch.nn.functional.mse_loss(model(x), t), list(model.parameters()))
+        >>> all(torch.allclose(grads[k], r) for k, r in zip(grads, reference))
+        True
+        >>> detached = {k: v.detach() for k, v in model.named_parameters()}
+        >>> functx.grad(compute_loss)(detached, x, t)["weight"].grad_fn is None
+        True
+
+        Per-sample gradients of a module's loss:
+
+        >>> import torch, functx
+        >>> model = torch.nn.Linear(3, 2)
+        >>> params = {k: v.detach() for k, v in model.named_parameters()}
+        >>> def loss(params, x):
+        ...     return functx.functional_call(model, params, (x[None],)).sum()
+        >>> grads = functx.vmap(functx.grad(loss), in_dims=(None, 0))(params, torch.randn(5, 3))
+        >>> grads["weight"].shape
+        torch.Size([5, 2, 3])
+
+        A parametrized weight: by its own name the value is used as is; through
+        `parametrizations.weight.original` the parametrization applies:
+
+        >>> import torch, functx
+        >>> from torch.nn.utils import parametrize
+        >>> class Double(torch.nn.Module):
+        ...     def forward(self, w):
+        ...         return 2 * w
+        ...     def right_inverse(self, w):
+        ...         return w / 2
+        >>> layer = torch.nn.Linear(2, 1, bias=False)
+        >>> _ = parametrize.register_parametrization(layer, "weight", Double())
+        >>> x, w = torch.ones(1, 2), torch.ones(1, 2)
+        >>> functx.functional_call(layer, {"weight": w}, x).item()
+        2.0
+        >>> functx.functional_call(layer, {"parametrizations.weight.original": w}, x).item()
+        4.0
+
     Differences from torch.func:
         `return_state`; TensorDict state; the given tensors replace the module's for the
         calling thread only (torch.func's swap is seen by other threads): threads calling
-        `functional_call` on one module at once each see their own values.
+        `functional_call` on one module at once each see their own values. A forward that
+        uses `torch.utils.checkpoint` recomputes with the given tensors, so gradients
+        through it are right (torch.func recomputes with the module's own and gives a
+        wrong gradient).
     """
     given = _merge_dicts(parameter_and_buffer_dicts)
     _check_module(module)

@@ -31,7 +31,9 @@ def stack_module_state(models: Sequence[nn.Module] | nn.ModuleList) -> tuple[dic
 
     Raises:
         RuntimeError: no models, or models that differ (the message names the parameter,
-            buffer or module that differs)
+            buffer or module that differs); a parameter whose `requires_grad` differs
+            between the models ("Expected 0.weight from each model to have the same
+            .requires_grad", unprefixed as torch.func's)
             ([error catalogue: modules](../errors.md#modules-functional_call-stack_module_state-make_functional-ensemble)).
 
     Examples:
@@ -53,12 +55,19 @@ def stack_module_state(models: Sequence[nn.Module] | nn.ModuleList) -> tuple[dic
 
     Differences from torch.func: none (the same result and errors).
     """
-    models = list(models)
-    check_same_models(models, "stack_module_state")
+    return stack_state(list(models), "stack_module_state")
+
+
+def stack_state(models: list[nn.Module], caller: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """`stack_module_state(models)` with `caller` naming the API in the errors. The
+    requires_grad error is unprefixed for `stack_module_state` (torch.func's exact wording)
+    and prefixed with `caller` for the others."""
+    check_same_models(models, caller)
+    prefix = "" if caller == "stack_module_state" else f"{caller}: "
     all_params = [dict(m.named_parameters()) for m in models]
     all_buffers = [dict(m.named_buffers()) for m in models]
-    params = {name: stacked_leaf([p[name] for p in all_params], name) for name in all_params[0]}
-    buffers = {name: stacked_leaf([b[name] for b in all_buffers], name) for name in all_buffers[0]}
+    params = {name: stacked_leaf([p[name] for p in all_params], name, prefix) for name in all_params[0]}
+    buffers = {name: stacked_leaf([b[name] for b in all_buffers], name, prefix) for name in all_buffers[0]}
     return params, buffers
 
 
@@ -114,11 +123,12 @@ def _check_same_tensors(named0, named, kind: str, i: int, caller: str) -> None:
             )
 
 
-def stacked_leaf(tensors: list[Tensor], name: str) -> Tensor:
-    """`torch.stack(tensors)` as a new leaf that requires grad iff all the tensors do."""
+def stacked_leaf(tensors: list[Tensor], name: str, prefix: str = "") -> Tensor:
+    """`torch.stack(tensors)` as a new leaf that requires grad iff all the tensors do
+    (`prefix` starts the error when they differ)."""
     requires_grad = [t.requires_grad for t in tensors]
     if any(requires_grad) and not all(requires_grad):
-        raise RuntimeError(f"Expected {name} from each model to have the same .requires_grad")
+        raise RuntimeError(f"{prefix}Expected {name} from each model to have the same .requires_grad")
     with torch.no_grad():
         result = torch.stack(tensors)
     return result.requires_grad_(all(requires_grad))

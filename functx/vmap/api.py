@@ -36,6 +36,27 @@ def vmap(
     op, each op through its batching rule). Nested `vmap`s map over several dimensions;
     `vmap` composes with every other transform (`vmap(grad(f))`: per-sample gradients).
 
+    How it behaves (details in the guide's [semantics](../semantics.md)):
+
+    - **Inside `func` a mapped tensor looks like one example**: `x.shape`, `x.dim()` and
+      `x.size(0)` are an example's; ops on it run batched. Tensors not mapped (`None`,
+      captured, made inside with `torch.zeros(...)`) are shared by every example.
+    - **Keyword arguments** are passed to every example unmapped; map a value by passing
+      it positionally.
+    - **Python control flow on a value** (`if x.sum() > 0`, `.item()`, `float(x)`) cannot
+      run batched: functx runs `func` once per example and stacks the results (with a
+      `functx.PerformanceWarning`; `functx.set_vmap_fallback("error")` refuses it instead,
+      as torch.func does). `torch.where(cond, a, b)` computes both branches batched.
+    - **In-place writes** into a mapped tensor (or one made from it) are per example; a
+      batched value written into an unbatched tensor raises, because every example would
+      write the same memory.
+    - **Random ops** follow `randomness`; under "different" each example draws its own
+      numbers (not the numbers a loop would draw: the generator is consumed differently).
+    - **Tensors that escape** `func` (stored in a global, a closure, an attribute) cannot be
+      used after vmap returns: return them instead.
+    - **Cost**: one batched op per op of `func`, so vmap over B examples is usually far
+      cheaper than B calls; `chunk_size` trades speed for memory.
+
     Args:
         func (Callable): the function to map. Its arguments and outputs may be tensors or
             pytrees of them (tuples, lists, dicts, namedtuples, registered containers);
@@ -90,13 +111,80 @@ def vmap(
         >>> noisy = functx.vmap(lambda t: t + torch.rand(()), randomness="same")(torch.zeros(3))
         >>> bool((noisy == noisy[0]).all())
         True
+        >>> different = functx.vmap(lambda t: t + torch.rand(()), randomness="different")(torch.zeros(3))
+        >>> bool((different == different[0]).all())
+        False
+
+        `in_dims` mirrors the arguments' structure (here: the first tuple's tensors mapped
+        over dims 0 and None, then a tensor mapped over its last dim):
+
+        >>> def g(pair, t):
+        ...     a, b = pair
+        ...     return a @ b + t
+        >>> a, b, t = torch.randn(4, 2, 3), torch.randn(3, 2), torch.randn(2, 4)
+        >>> functx.vmap(g, in_dims=((0, None), -1))((a, b), t).shape
+        torch.Size([4, 2, 2])
+
+        Per-sample gradients of a model's loss (the most common use), checked against a
+        loop over the samples:
+
+        >>> model = torch.nn.Linear(3, 1)
+        >>> params = {k: v.detach() for k, v in model.named_parameters()}
+        >>> def loss(params, x, y):
+        ...     prediction = functx.functional_call(model, params, (x[None],))
+        ...     return ((prediction - y) ** 2).mean()
+        >>> xs, ys = torch.randn(8, 3), torch.randn(8, 1)
+        >>> per_sample = functx.vmap(functx.grad(loss), in_dims=(None, 0, 0))(params, xs, ys)
+        >>> per_sample["weight"].shape
+        torch.Size([8, 1, 3])
+        >>> loop = torch.stack([functx.grad(loss)(params, x, y)["weight"] for x, y in zip(xs, ys)])
+        >>> torch.allclose(per_sample["weight"], loop)
+        True
+
+        An ensemble: the same model with 4 sets of weights, on one shared batch:
+
+        >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
+        >>> weights, buffers = functx.stack_module_state(models)
+        >>> def run(weights, buffers, x):
+        ...     return functx.functional_call(models[0], (weights, buffers), (x,))
+        >>> functx.vmap(run, in_dims=(0, 0, None))(weights, buffers, torch.randn(5, 3)).shape
+        torch.Size([4, 5, 2])
+
+        `chunk_size` bounds memory and gives the same result; keyword arguments are not
+        mapped; an unmapped output (`out_dims=None`) is returned once:
+
+        >>> x = torch.randn(6, 3)
+        >>> torch.equal(functx.vmap(torch.sum, chunk_size=4)(x), functx.vmap(torch.sum)(x))
+        True
+        >>> functx.vmap(lambda t, *, scale: t * scale)(x, scale=torch.tensor(2.0)).shape
+        torch.Size([6, 3])
+        >>> mean, shared = functx.vmap(lambda t: (t.mean(), torch.ones(2)), out_dims=(0, None))(x)
+        >>> mean.shape, shared.shape
+        (torch.Size([6]), torch.Size([2]))
+
+        Control flow on a value: `torch.where` stays batched; a Python `if` runs per example
+        (warning) and gives the loop's answer:
+
+        >>> relu = functx.vmap(lambda t: torch.where(t > 0, t, torch.zeros_like(t)))
+        >>> relu(torch.tensor([-1.0, 2.0])).tolist()
+        [0.0, 2.0]
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", functx.PerformanceWarning)
+        ...     functx.vmap(lambda t: t if t > 0 else -t)(torch.tensor([-1.0, 2.0])).tolist()
+        [1.0, 2.0]
 
     Differences from torch.func:
         An op without a batching rule, or a Python `if` on a sample's value (`.item()`,
         `bool(x)`), runs once per example with a `functx.PerformanceWarning` where
         torch.func raises (`functx.set_vmap_fallback("error")` restores the error;
         `functx.explain` lists what ran per sample). Nested (jagged) tensors and
-        containers with a batch size (TensorDict) are mapped too.
+        containers with a batch size (TensorDict) are mapped too. An output whose shape
+        differs per example (with the per-example fallback) can be returned as a nested
+        tensor (`functx.set_vmap_fallback("warn", ragged="nested")`). A `vmap` rule's
+        `out_dims` are checked against the batch size (torch.func returns garbage for a
+        wrong one). Everything else (arguments, defaults, error types and messages) is
+        torch.func's.
     """
     check_randomness(randomness)
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):

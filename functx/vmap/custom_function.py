@@ -28,8 +28,13 @@ The batched Function is applied one level down, so lower levels (a `grad` around
 `vmap`) see a Function with the user's backward, not its forward's operations.
 
 An old-style Function (`forward(ctx, ...)`) runs once per batch element, one level down,
-with one `functx.PerformanceWarning` per Function (torch.func refuses it): slow, but its
-custom backward still holds.
+as vmap's per-sample fallback runs an op without a rule, under the same setting
+(`functx.set_vmap_fallback`): one `functx.PerformanceWarning` per Function ("warn"), none
+("silent"), or a `NotImplementedError` ("error"; torch.func refuses it always): slow, but
+its custom backward still holds. Tensors passed to a Function by keyword (what is left after
+binding to a new-style forward's parameters) are refused, as torch.func does; for an
+old-style Function, those batched at this level (each sample's call would get the whole
+batch).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import optree
 import torch
 
 from ..core.custom_function import apply_original, cached_on_class, is_new_style, user_backward, with_forward
-from ..core.errors import PerformanceWarning, warn
+from .fallback import refuse_if_switched_off, warn_once
 from .mapping import flatten_in_dims, map_at_level
 from .randomness import lowered
 
@@ -52,9 +57,24 @@ _EXTENDING = "For more details, please see https://pytorch.org/docs/main/notes/e
 
 
 class VmapInfo(NamedTuple):
-    """What an autograd.Function's `vmap` staticmethod is told about the vmap.
+    """What a batching rule is told about the vmap it runs in: the first argument of an
+    autograd.Function's `vmap` staticmethod and of a rule given to
+    `functx.library.register_vmap`. A NamedTuple, built by functx; build one yourself to
+    call a rule directly (in a unit test).
 
-    Example:
+    Args:
+        batch_size (int): the size of the mapped dim at this vmap level (of the chunk, with
+            `vmap(..., chunk_size=...)`).
+        randomness (str): the vmap's `randomness`: "error", "different" or "same".
+
+    Raises:
+        TypeError: a field missing or one too many, as for any NamedTuple; the values are
+            not checked. The errors of a rule's return value are in the error catalogue
+            ([autograd.Function](../errors.md#torchautogradfunction-under-transforms)).
+
+    Examples:
+        What a Function's `vmap` staticmethod gets:
+
         >>> import torch, functx
         >>> class Triple(torch.autograd.Function):
         ...     @staticmethod
@@ -73,6 +93,19 @@ class VmapInfo(NamedTuple):
         >>> functx.vmap(Triple.apply, randomness="same")(torch.ones(4, 2)).shape
         VmapInfo(batch_size=4, randomness='same')
         torch.Size([4, 2])
+
+        Calling the rule directly, with a `VmapInfo` of one's own:
+
+        >>> info = functx.library.VmapInfo(batch_size=4, randomness="error")
+        >>> out, out_dim = Triple.vmap(info, (0,), torch.ones(4, 2))
+        VmapInfo(batch_size=4, randomness='error')
+        >>> out.shape, out_dim, info == functx.library.VmapInfo(4, "error")
+        (torch.Size([4, 2]), 0, True)
+
+    Differences from torch.func:
+        torch.func's is `torch._functorch.autograd_function.VmapInfo`, a NamedTuple with
+        the same two fields (not exported under a public name); the two compare equal for
+        equal values, but are different classes (`isinstance` tells them apart).
     """
 
     batch_size: int
@@ -124,13 +157,19 @@ def _apply_batched(level, function, args, kwargs):
 
 def _apply_batched_lowered(level, function, args, kwargs):
     name = function.__name__
-    if not is_new_style(function):
-        return _per_sample(level, function, args, kwargs)
-    if any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(kwargs)):
+    # A new-style Function's keywords bound to forward's parameters are in `args` already:
+    # tensors left in `kwargs` are refused, as torch.func does. An old-style Function's are
+    # passed as given, to each sample's call: one batched at this level would be the whole
+    # batch there (unbatched ones are fine).
+    new_style = is_new_style(function)
+    kept = (lambda v: isinstance(v, torch.Tensor)) if new_style else level.is_batched
+    if kwargs and any(kept(v) for v in optree.tree_leaves(kwargs, none_is_leaf=True)):
         raise NotImplementedError(
             f"Run vmap on autograd.Function with kwarg-only Tensor args. Please do not pass "
             f"kwarg-only Tensors to autograd.Function. Got: {kwargs}"
         )
+    if not new_style:
+        return _per_sample(level, function, args, kwargs)
     overridden = function.vmap is not torch.autograd.Function.vmap
     if getattr(function, "generate_vmap_rule", False):
         if overridden:
@@ -264,15 +303,22 @@ _warned = weakref.WeakSet()  # the Functions warned about (not kept alive by it)
 
 
 def _per_sample(level, function, args, kwargs):
-    if function not in _warned:
-        _warned.add(function)
-        warn(
-            f"functx.vmap: {function.__name__} is an old-style autograd.Function (forward(ctx, ...) "
-            f"without setup_context), so vmap runs it once per batch element, which is slow. Give "
-            f"it a setup_context staticmethod (and a vmap staticmethod or generate_vmap_rule=True) "
-            f"to batch it.",
-            PerformanceWarning,
-        )
+    # the per-sample fallback's setting (functx.set_vmap_fallback) holds here too
+    name = function.__name__
+    refuse_if_switched_off(
+        f"functx.vmap: {name} is an old-style autograd.Function (forward(ctx, ...) without "
+        f"setup_context), which vmap can only run once per batch element, and the per-sample "
+        f"fallback is switched off (functx.set_vmap_fallback('error')). Give it a setup_context "
+        f"staticmethod (and a vmap staticmethod or generate_vmap_rule=True) to batch it."
+    )
+    warn_once(
+        function,
+        _warned,
+        f"functx.vmap: {name} is an old-style autograd.Function (forward(ctx, ...) "
+        f"without setup_context), so vmap runs it once per batch element, which is slow. Give "
+        f"it a setup_context staticmethod (and a vmap staticmethod or generate_vmap_rule=True) "
+        f"to batch it.",
+    )
     results = []
     for b in range(level.batch_size):
         sample = optree.tree_map(lambda a: a._value[b] if level.is_batched(a) else a, args, none_is_leaf=True)

@@ -2,7 +2,9 @@
 
 Correct for any op whose outputs are tensors, at the cost of one call per batch element.
 It warns once per op (`functx.PerformanceWarning`) so the missing rule gets noticed;
-`functx.set_vmap_fallback("error")` turns it into an error.
+`functx.set_vmap_fallback("error")` turns it into an error. `refuse_if_switched_off` and
+`warn_once` apply that setting; old-style autograd.Functions, which vmap also runs once per
+batch element (custom_function.py), go through them too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,30 @@ from ..core.errors import ISSUES, NeedsPerSampleValues, PerformanceWarning, op_n
 from ..core.op_facts import returns_view, writes_argument, writes_out
 
 _warned: set = set()
+
+
+def refuse_if_switched_off(refusal: str) -> None:
+    """Under `functx.set_vmap_fallback("error")`, raise `NotImplementedError(refusal)` (what
+    is run once per batch element, and that the fallback is switched off) instead of running
+    something once per batch element.
+
+        >>> import functx
+        >>> with functx.vmap_fallback("error"):
+        ...     refuse_if_switched_off("switched off")
+        Traceback (most recent call last):
+        NotImplementedError: switched off
+    """
+    if config.fallback == "error":
+        raise NotImplementedError(refusal)
+
+
+def warn_once(key, warned, warning: str) -> None:
+    """Under the "warn" setting (the default), `warning` as a `functx.PerformanceWarning` the
+    first time `key` (an op, an autograd.Function) runs once per batch element, recorded in
+    `warned`; nothing under "silent"."""
+    if config.fallback == "warn" and key not in warned:
+        warned.add(key)
+        warn(warning, PerformanceWarning)
 
 
 def loop_fallback(op, warning=None):
@@ -39,18 +65,15 @@ def loop_fallback(op, warning=None):
     def fallback(interp, *args, **kwargs):
         if interp.batch_size == 0:
             refuse("the batch is empty (there is no element to run it on)")
-        if config.fallback == "error":
-            raise NotImplementedError(
-                f"functx.vmap: there is no batching rule for {name} and the per-sample "
-                f"fallback is switched off (functx.set_vmap_fallback('error'))."
-            )
+        refuse_if_switched_off(
+            f"functx.vmap: there is no batching rule for {name} and the per-sample "
+            f"fallback is switched off (functx.set_vmap_fallback('error'))."
+        )
         if writes_out_argument:
             refuse("it writes into out= arguments")
         if view:
             refuse("it returns a view")
-        if config.fallback == "warn" and op not in _warned:
-            _warned.add(op)
-            warn(warning, PerformanceWarning)
+        warn_once(op, _warned, warning)
         for i in mutated:
             if not interp.is_batched(args[i]):
                 raise_unbatched_inplace(op, args[i])

@@ -333,6 +333,20 @@ def test_bad_input_raises_clear_errors():
         P.save_from_both_policies(P.dots_saveable, None)
 
 
+def test_save_from_both_policies_refuses_none_with_a_true_message():
+    """None is a policy for `checkpoint` only (keep nothing): `save_from_both_policies`
+    refuses it, so its message must not offer it (it said "... or None"), and it names the
+    function with the module's prefix."""
+    for args, which in (((None, P.dots_saveable), "policy_1"), ((P.dots_saveable, None), "policy_2")):
+        with pytest.raises(
+            TypeError, match=f"^functx.checkpoint_policies.save_from_both_policies's {which}: "
+        ) as caught:
+            P.save_from_both_policies(*args)
+        assert "None," not in str(caught.value) and str(caught.value).endswith("got NoneType")
+    with pytest.raises(TypeError, match=r"dots_saveable\) or None, got str"):  # checkpoint's does take None
+        checkpoint(block, policy="dots_saveable")
+
+
 def test_the_recomputation_replays_the_random_state():
     """Dropout inside the checkpointed function: the recomputation draws the forward's mask
     (preserve_rng_state), so the gradient is the one of the mask the forward's output shows."""

@@ -731,3 +731,31 @@ def test_function_without_jvp_and_a_backward_without_derivative_is_refused(funct
         else:
             functx.jvp(f, (x,), (torch.ones_like(x),))
     assert functx.core.current_stack() == ()
+
+
+def test_forward_over_reverse_of_a_function_whose_derivatives_apply_functions():
+    """jvp(jacrev(f)) and jvp(jvp(jacrev(f))) of a Function whose jvp and backward apply
+    another Function with a generated vmap rule (the fuzzer's NestedFn and _Product, whose
+    own derivatives apply it again) raised RecursionError: inside _Product's jvp, run by
+    torch's forward AD for the jvp level on values, the _Product applied there went down to
+    that same level with forward AD switched on again (core/forward_ad_state.py). In torch,
+    a Function applied inside a jvp has no tangent at that level. References: torch.func
+    (first order; its jvp(jvp(jacrev)) gives zero here) and torch.autograd on the plain math."""
+    from tests.ad.fuzz_functions import NestedFn, reference
+
+    g = torch.Generator().manual_seed(0)
+    x, t, s = (torch.randn(3, dtype=D, generator=g) for _ in range(3))
+    f = lambda v: torch.sin(NestedFn.apply(v, v))  # noqa: E731
+    plain = lambda v: torch.sin(reference(v, v))  # noqa: E731
+    jac = lambda v: torch.autograd.functional.jacobian(plain, v, create_graph=True)  # noqa: E731
+
+    got = functx.jvp(functx.jacrev(f), (x,), (t,))
+    expected = tf.jvp(tf.jacrev(f), (x,), (t,))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got[1], torch.autograd.functional.jvp(jac, x, t)[1])
+
+    second = lambda v: functx.jvp(functx.jacrev(f), (v,), (t,))[1]  # noqa: E731
+    got = functx.jvp(second, (x,), (s,))[1]
+    expected = torch.autograd.functional.jvp(lambda v: torch.autograd.functional.jvp(jac, v, t, create_graph=True)[1], x, s)[1]
+    torch.testing.assert_close(got, expected)
+    assert functx.core.current_stack() == ()

@@ -209,6 +209,26 @@ def test_jvp_of_integer_primal_is_a_clear_error():
         jvp(lambda a: a * 2, (torch.arange(3),), (torch.arange(3),))
 
 
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "linearize"])
+def test_an_integer_primal_raises_torch_funcs_error_type(transform):
+    """torch.func raises ValueError for an integer primal of a forward transform; functx's
+    error is that ValueError (and still a RuntimeError, as before), with torch.func's words."""
+    import torch.func
+
+    i = torch.arange(3)
+    calls = {
+        "jvp": lambda lib: lib.jvp(lambda a: a * 2, (i,), (i,)),
+        "jacfwd": lambda lib: lib.jacfwd(lambda a: a * 2)(i),
+        "linearize": lambda lib: lib.linearize(lambda a: a * 2, i),
+    }
+    with pytest.raises(ValueError) as expected:
+        calls[transform](torch.func)
+    with pytest.raises(ValueError, match="Expected primal to be floating point or complex, but got: torch.int64") as got:
+        calls[transform](functx)
+    assert isinstance(got.value, RuntimeError) and type(expected.value) is ValueError
+    assert "leave it out of argnums" not in str(got.value)  # (linearize said so; it has no argnums)
+
+
 # -- matrix products: only the factors with a tangent contribute (jvp_rules._MATMUL_JVPS)
 def _fd_jvp(f, primals, tangents, eps=1e-6):
     """Central finite difference of f along the tangents (float64)."""

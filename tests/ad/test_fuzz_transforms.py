@@ -35,8 +35,9 @@ ones at the bottom of this file came from this fuzzer).
     reverse autograd, so it can stop both kinds of level or neither: regions are drawn only
     under stacks whose AD levels are all reverse or all forward (no hessian), where the
     region is `.detach()` or nothing (`region_semantics`).
-- `stack`: 1-3 transforms, outermost first, from {vmap, grad, vjp, jvp, jacrev, jacfwd,
-  hessian, vjp_fn}. Each maps a function of the program's tensors to a function of the same
+- `stack`: 1-3 transforms, outermost first, from {vmap, grad, vjp, jvp, linearize, jacrev,
+  jacfwd, hessian, vjp_fn} (linearize: `linearize(f, *xs)[1](*tangents)`, which must be
+  jvp's; torch.func and the reference compute it as jvp). Each maps a function of the program's tensors to a function of the same
   tensors returning one tensor, so stacks compose: vmap stacks fixed affine copies of its
   batched arguments (or, one time in five, an expand: every element the same, batch stride 0)
   along random in_dims and keeps the batch dim at out_dims (non-zero and negative too),
@@ -154,7 +155,7 @@ def _transform_library():
     return getattr(_RUN, "lib", None) in (functx, torch.func)
 
 
-REVERSE_KINDS, FORWARD_KINDS = {"grad", "vjp", "jacrev", "vjp_fn", "hessian"}, {"jvp", "jacfwd", "hessian"}
+REVERSE_KINDS, FORWARD_KINDS = {"grad", "vjp", "jacrev", "vjp_fn", "hessian"}, {"jvp", "linearize", "jacfwd", "hessian"}
 
 
 def region_semantics(region, kinds):
@@ -963,7 +964,7 @@ class T:
         if k == "vmap":
             o = p["out_dims"] % (len(out) + 1)
             return out[:o] + (p["size"],) + out[o:]
-        if k == "jvp":
+        if k in ("jvp", "linearize"):
             return (2,) + out
         if k == "vjp":
             return in_shapes[0] if len(in_shapes) == 1 else (sum(numel(s) for s in in_shapes),)
@@ -1047,10 +1048,13 @@ class T:
                     _, vjp_fn = lib.vjp(lambda *ys: f(*_mixed(ys, xs, mix)), *xs)
                     return vjp_fn(cotangent(xs))[argnum]
 
-        elif k == "jvp":
+        elif k in ("jvp", "linearize"):
             tangents = tuple(const(seed + i, s) for i, s in enumerate(in_shapes))
 
             def g(*xs):
+                if k == "linearize" and lib is functx:  # the references compute it as jvp
+                    primal, jvp_fn = functx.linearize(lambda *ys: f(*_mixed(ys, xs, mix)), *xs)
+                    return torch.stack([primal, jvp_fn(*tangents)])
                 primal, tangent = lib.jvp(lambda *ys: f(*_mixed(ys, xs, mix)), tuple(xs), tangents)
                 return torch.stack([primal, tangent])
 
@@ -1096,7 +1100,7 @@ def draw_transform(draw, kind, in_shapes, out, chunks=True):
         chunk_size = draw(st.sampled_from([None, 1, 2]))
         if chunk_size:
             p["chunk_size"] = chunk_size
-    if kind in ("grad", "hessian", "vjp", "jvp", "vjp_fn"):
+    if kind in ("grad", "hessian", "vjp", "jvp", "linearize", "vjp_fn"):
         p["seed"] = draw(st.integers(0, 9))
     if not p.get("outside") and draw(st.integers(0, 3)) == 3:  # shrinks towards no closure
         p["mix"] = True
@@ -1556,7 +1560,7 @@ def _rounding_noise(case, expected) -> float:
 # ---------------------------------------------------------------------------------------------
 
 REVERSE = ["vmap", "grad", "vjp", "jacrev"]
-ALL = REVERSE + ["jvp", "jacfwd", "hessian"]
+ALL = REVERSE + ["jvp", "linearize", "jacfwd", "hessian"]
 PURE_FAMILIES = ["pointwise", "reduction", "view", "nn"]
 
 
@@ -2385,6 +2389,29 @@ def test_regression_jvp_of_jvp_of_a_huber_loss_of_a_no_grad_region():
             check(Case(program, stack))
 
 
+def test_regression_linearize_through_a_no_grad_region():
+    """linearize of `sin(x0 * no_grad(x0 ** 2))` (found by the fuzzer once linearize joined
+    its stacks): linearize records the function in reverse mode, where torch.no_grad() stops
+    the tangent that forward mode (jvp, torch.func.linearize) carries: `jvp_fn` gave the
+    derivative of `x * c` with `c` constant. Where the function crosses such a region (or a
+    forward-AD-off one), jvp_fn now runs the function under forward mode."""
+    program = Program([(3,)], [Op("no_grad", body="pow"), Op("sin")])
+    for stack in ([T("linearize", seed=0)], [T("vmap", in_dims=(0,), out_dims=0, size=2), T("linearize", seed=1)],
+                  [T("linearize", seed=0), T("jvp", seed=1)]):
+        check(Case(program, stack))
+    x, v = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+
+    def f(x):
+        with torch.no_grad():
+            c = x ** 2
+        return x - c
+
+    # the derivative of x - x**2 (forward mode does not follow grad mode), by differences
+    differences = (f(x + 1e-6 * v) - f(x - 1e-6 * v)) / 2e-6
+    torch.testing.assert_close(functx.linearize(f, x)[1](v), differences)
+    torch.testing.assert_close(functx.linearize(f, x)[1](v), functx.jvp(f, (x,), (v,))[1])
+
+
 def test_jvp_through_an_op_without_a_forward_formula_in_a_no_grad_region_matches_finite_differences():
     """The same fallback against central differences, with the no_grad region on the value
     the op without a formula reads (`F.huber_loss` differentiated twice in forward mode:
@@ -2558,3 +2585,16 @@ def test_regression_forward_over_forward_of_a_function_applying_a_function(stack
     derivatives apply a Function (now the `nested` family)."""
     transforms = [T(name, argnums=0, seed=i) if name != "jvp" else T(name, seed=i) for i, name in enumerate(stack)]
     check(Case(FUNCTION_SIN("nested"), transforms))
+
+
+@pytest.mark.parametrize("stack", [["jvp", "jacrev"], ["jvp", "jvp", "jacrev"]])
+def test_regression_forward_over_reverse_of_a_function_whose_derivatives_apply_a_function(stack):
+    """jvp(jacrev(F)) of a `nested` Function (its jvp and backward apply _Product, a Function
+    with a generated vmap rule; found by test_fuzz_autograd_functions): RecursionError. The
+    jvp level on values applied _Product's generated vmap rule with torch's own apply, whose
+    jvp (forward AD off for that level) applied _Product at a fresh vmap level; that level's
+    `applying_function` counted, and so did the state an `at_wrappers` of a wrapped jvp
+    around kept (jvp(jvp(jacrev))), so the jvp level on values switched forward AD on again
+    and called the same jvp for the same level, without end (core/forward_ad_state.py)."""
+    transforms = [T("jvp", seed=i) if name == "jvp" else T(name, argnums=0) for i, name in enumerate(stack)]
+    check(Case(FUNCTION_SIN("nested"), transforms, seed=0))

@@ -200,3 +200,18 @@ def test_stack_restored_after_error_inside_grad():
     with pytest.raises(ZeroDivisionError):
         grad(lambda a: 1 / 0)(torch.randn(2))
     assert functx.core.current_stack() == ()
+
+
+def test_a_none_leaf_of_a_differentiated_argument_passes_through_every_jacobian():
+    """A None in a differentiated pytree has no derivative: grad, jacfwd, hessian and jacrev
+    return None in its place (jacrev raised a vmap error about its rows, with chunks too);
+    the tensor leaves' blocks are the closed forms."""
+    d = {"a": torch.tensor([0.3, -1.2], dtype=torch.float64), "b": None}
+    expected = torch.diag(d["a"].cos())
+    for jacobian in (functx.jacrev(lambda d: d["a"].sin()), functx.jacrev(lambda d: d["a"].sin(), chunk_size=1),
+                     functx.jacfwd(lambda d: d["a"].sin())):
+        got = jacobian(d)
+        assert got["b"] is None
+        torch.testing.assert_close(got["a"], expected)
+    assert functx.grad(lambda d: d["a"].sin().sum())(d)["b"] is None
+    torch.testing.assert_close(functx.hessian(lambda d: d["a"].sin().sum())(d)["a"]["a"], torch.diag(-d["a"].sin()))

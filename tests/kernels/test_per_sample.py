@@ -5,6 +5,8 @@ both; repeated and padding embedding ids."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -257,3 +259,167 @@ def test_register_refuses_what_is_not_a_type_or_a_kernel(bad, registry):
     with pytest.raises(TypeError, match="must be callable"):
         register_layer_gradients(nn.Linear, 3)
     assert registry[nn.Linear].__name__ == "_linear"
+
+
+# -- what layer_gradients is given: grad_output against the output, None entries, args ------------
+def _calls():
+    """One call per layer type functx registers a kernel for (the check is in layer_gradients,
+    ahead of every kernel), and two materialised layers (one with a tuple output)."""
+    torch.manual_seed(4)
+    return {
+        nn.Linear: (nn.Linear(3, 2), torch.randn(4, 3)),
+        nn.Embedding: (nn.Embedding(7, 3), torch.randint(0, 7, (4, 5))),
+        nn.Conv1d: (nn.Conv1d(2, 3, 3), torch.randn(4, 2, 6)),
+        nn.Conv2d: (nn.Conv2d(2, 3, 3), torch.randn(4, 2, 6, 6)),
+        nn.Conv3d: (nn.Conv3d(2, 3, 3), torch.randn(4, 2, 5, 5, 5)),
+        nn.LayerNorm: (nn.LayerNorm(3), torch.randn(4, 5, 3)),
+        nn.GroupNorm: (nn.GroupNorm(1, 3), torch.randn(4, 3, 5)),
+        nn.Bilinear: (nn.Bilinear(3, 3, 2), torch.randn(4, 3)),  # materialised
+        nn.LSTM: (nn.LSTM(3, 2, batch_first=True), torch.randn(4, 5, 3)),  # materialised, tuple output
+    }
+
+
+def _args(layer, x):
+    return (x, x) if isinstance(layer, nn.Bilinear) else (x,)
+
+
+def test_every_functx_kernel_is_covered_by_the_grad_output_check():
+    assert {t for t, k in per_sample._KERNELS.items() if k.__module__ == per_sample.__name__} <= set(_calls())
+
+
+@pytest.mark.parametrize("layer_type", list(_calls()), ids=lambda t: t.__name__)
+def test_a_grad_output_of_another_shape_than_the_output_is_refused(layer_type):
+    layer, x = _calls()[layer_type]
+    layer = layer.to(DT)
+    x = x.to(DT) if x.is_floating_point() else x
+    args = _args(layer, x)
+    out = layer(*args)
+    lstm = isinstance(out, tuple)
+    out = out[0] if lstm else out
+    wrong = torch.randn(*out.shape[:-1], out.shape[-1] + 1, dtype=DT)  # one feature too many
+    item = "[0]" if lstm else ""
+    expected = re.escape(
+        f"grad_output{item} has shape {tuple(wrong.shape)}, but {layer_type.__name__}'s output{item} has shape "
+        f"{tuple(out.shape)}"
+    )
+    with pytest.raises(ValueError, match=expected):
+        grads = layer_gradients(layer, args, (wrong, None) if lstm else wrong)
+        grads.norms_sq()  # materialised layers: checked by their own forward, at the first method call
+    g = torch.randn(out.shape, dtype=DT)  # the right shape: no error, the reference's values
+    grads = layer_gradients(layer, args, (g, None) if lstm else g)
+    # the reference: each sample's gradient by plain autograd (torch.func's vmap cannot run an LSTM)
+    expected = []
+    for b in range(4):
+        o = layer(*(a[b : b + 1] for a in args))
+        per = torch.autograd.grad(((o[0] if lstm else o) * g[b : b + 1]).sum(), list(layer.parameters()))
+        expected.append(sum(v.pow(2).sum() for v in per))
+    torch.testing.assert_close(grads.norms_sq(), torch.stack(expected))
+
+
+def test_grad_output_that_does_not_fit_the_output_is_refused():
+    layer = nn.Linear(3, 2).to(DT)
+    x = torch.randn(4, 3, dtype=DT)
+    with pytest.raises(ValueError, match=r"grad_output has shape \(5, 2\), but Linear's output has shape \(4, 2\)"):
+        layer_gradients(layer, (x,), torch.randn(5, 2, dtype=DT))  # another batch size
+    with pytest.raises(ValueError, match=r"grad_output has shape \(4,\), but Linear's output has shape \(4, 2\)"):
+        layer_gradients(layer, (x,), torch.randn(4, dtype=DT))
+    with pytest.raises(ValueError, match="Linear returned one tensor, of shape .*but grad_output is a tuple"):
+        layer_gradients(layer, (x,), (torch.randn(4, 2, dtype=DT),))
+    with pytest.raises(ValueError, match=r"Linear cannot be called on args of shapes \[\(4, 6\)\]"):
+        layer_gradients(layer, (torch.randn(4, 6, dtype=DT),), torch.randn(4, 2, dtype=DT))  # the wrong input
+    with pytest.raises(TypeError, match="grad_output must be a tensor, or a tuple"):
+        layer_gradients(layer, (x,), 3)
+    with pytest.raises(TypeError, match="grad_output's entries must be tensors or None, got float"):
+        layer_gradients(layer, (x,), (1.0,))
+    with pytest.raises(ValueError, match="0-dim"):
+        layer_gradients(layer, (x,), torch.tensor(1.0))
+    lstm = nn.LSTM(3, 2, batch_first=True).to(DT)
+    xs = torch.randn(4, 5, 3, dtype=DT)
+    with pytest.raises(ValueError, match="LSTM returned a tuple of 2 items, but grad_output has 1 entry"):
+        layer_gradients(lstm, (xs,), (torch.randn(4, 5, 2, dtype=DT),)).norms_sq()
+    with pytest.raises(ValueError, match=r"grad_output\[1\] has shape \(1, 4, 2\), whose first dim is not the batch"):
+        layer_gradients(lstm, (xs,), (torch.randn(4, 5, 2, dtype=DT), torch.randn(1, 4, 2, dtype=DT)))
+    bilinear = nn.Bilinear(3, 2, 4).to(DT)
+    with pytest.raises(ValueError, match=r"args\[1\] has shape \(5, 2\), whose first dim is not the batch \(4"):
+        layer_gradients(bilinear, (x, torch.randn(5, 2, dtype=DT)), torch.randn(4, 4, dtype=DT)).norms_sq()
+
+
+def test_the_check_leaves_the_layer_alone():
+    """The meta-device call runs no hooks and leaves the parameters as they were."""
+    layer = nn.Linear(3, 2).to(DT)
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    weight = layer.weight
+    layer_gradients(layer, (torch.randn(4, 3, dtype=DT),), torch.randn(4, 2, dtype=DT))
+    assert calls == [] and layer.weight is weight and weight.device.type == "cpu"
+
+
+class _ReadsValues(nn.Module):
+    """A forward that reads values (cannot run on the meta device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, dtype=DT))
+
+    def forward(self, x):
+        return self.weight * x * float(x.abs().max() > -1)
+
+
+def test_a_kernel_for_a_layer_the_meta_device_cannot_run_is_not_checked(registry):
+    from functx.kernels import register_layer_gradients
+
+    register_layer_gradients(_ReadsValues, _ScaleGradients)
+    x, g = torch.randn(4, 3, dtype=DT), torch.randn(4, 3, dtype=DT)
+    grads = layer_gradients(_ReadsValues(), (x,), g)
+    torch.testing.assert_close(grads.per_sample()["weight"], g * x)
+
+
+@pytest.mark.parametrize("layer_type", [nn.Linear, nn.Embedding, nn.LSTM], ids=lambda t: t.__name__)
+def test_every_grad_output_entry_none_means_zero_gradients(layer_type):
+    """As autograd reads a None gradient: zero; the batch size from the inputs."""
+    layer, x = _calls()[layer_type]
+    layer = layer.to(DT)
+    x = x.to(DT) if x.is_floating_point() else x
+    entries = 2 if layer_type is nn.LSTM else 1
+    grads = layer_gradients(layer, (x,), (None,) * entries)
+    norms = grads.norms_sq()
+    assert norms.shape == (4,) and norms.dtype == DT and not norms.any()
+    params = dict(layer.named_parameters())
+    summed = grads.weighted_sum(torch.rand(4, dtype=DT))
+    assert summed.keys() == params.keys() and all(not s.any() and s.shape == params[n].shape for n, s in summed.items())
+    per = grads.per_sample()
+    assert all(per[n].shape == (4, *p.shape) and not per[n].any() for n, p in params.items())
+    with pytest.raises(ValueError, match="every grad_output entry is None .* args holds no tensor"):
+        layer_gradients(layer, (), (None,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_layer_without_parameters_has_zero_norms(dtype):
+    x, g = torch.randn(4, 3, dtype=dtype), torch.randn(4, 3, dtype=dtype)
+    grads = layer_gradients(nn.Tanh(), (x,), g)
+    norms = grads.norms_sq()
+    assert isinstance(norms, torch.Tensor) and norms.shape == (4,) and norms.dtype == dtype
+    assert torch.equal(norms, torch.zeros(4, dtype=dtype))
+    assert grads.weighted_sum(torch.ones(4, dtype=dtype)) == {} and grads.per_sample() == {}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("layer_type", [nn.Linear, nn.Conv1d, nn.LSTM], ids=lambda t: t.__name__)
+def test_one_input_given_alone_is_a_one_tuple(layer_type, batch):
+    """As functional_call's args: `layer_gradients(layer, x, g)` is `layer_gradients(layer, (x,), g)`
+    (a batch of one included: the tensor is not read as a tuple of its samples)."""
+    layer, x = _calls()[layer_type]
+    layer, x = layer.to(DT), x.to(DT)[:batch]
+    out = layer(x)
+    lstm = isinstance(out, tuple)
+    g = torch.randn((out[0] if lstm else out).shape, dtype=DT)
+    g = (g, None) if lstm else g
+    alone, tupled = layer_gradients(layer, x, g), layer_gradients(layer, (x,), g)
+    assert alone.args[0] is x
+    torch.testing.assert_close(alone.norms_sq(), tupled.norms_sq())
+    weights = torch.rand(batch, dtype=DT)
+    expected = tupled.weighted_sum(weights)
+    for name, got in alone.weighted_sum(weights).items():
+        torch.testing.assert_close(got, expected[name], msg=name)
+    if not lstm:  # against torch.func's per-sample gradients
+        check(layer, x, g, weights, kernel=layer_gradients(layer, x, g))

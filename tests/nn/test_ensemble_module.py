@@ -197,6 +197,50 @@ def test_mismatched_models_raise():
         Ensemble([mlp(), SmallCNN()])
 
 
+def test_requires_grad_mismatch_names_the_api():
+    """Ensemble's requires_grad error starts with "Ensemble: " as its other model checks do;
+    stack_module_state's keeps torch.func's exact (unprefixed) wording."""
+    models = [mlp() for _ in range(2)]
+    models[1][0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"^Ensemble: Expected 0\.weight from each model to have the same \.requires_grad$"):
+        Ensemble(models)
+    with pytest.raises(RuntimeError) as ours:
+        functx.stack_module_state(models)
+    with pytest.raises(RuntimeError) as theirs:
+        torch.func.stack_module_state(models)
+    assert str(ours.value) == str(theirs.value) == "Expected 0.weight from each model to have the same .requires_grad"
+
+
+def test_from_state_checks_per_member_shapes_and_dtypes():
+    """A stacked state of other models (same names, other shapes or dtypes) is refused at
+    construction, naming the tensor and both shapes, not at the forward."""
+    state = functx.stack_module_state([nn.Linear(2, 2) for _ in range(3)])
+    with pytest.raises(ValueError, match="does not match the template") as info:
+        Ensemble.from_state(nn.Conv1d(2, 2, 1), *state)
+    assert "parameter 'weight' is (2, 2, 1), torch.float32 in the template" in str(info.value)
+    assert "but (2, 2), torch.float32 per member" in str(info.value)
+    with pytest.raises(ValueError, match=r"parameter 'weight' is \(3, 2\), torch.float32 in the template but \(2, 2\)"):
+        Ensemble.from_state(nn.Linear(2, 3), *state)
+    with pytest.raises(ValueError, match=r"parameter 'weight' is \(2, 2\), torch.float64 in the template but \(2, 2\), torch.float32"):
+        Ensemble.from_state(nn.Linear(2, 2).double(), *state)
+    params, buffers = functx.stack_module_state([nn.BatchNorm1d(4) for _ in range(2)])
+    buffers["running_var"] = torch.ones(2, 5)
+    with pytest.raises(ValueError, match=r"buffer 'running_var' is \(4,\), torch.float32 in the template but \(5,\)"):
+        Ensemble.from_state(nn.BatchNorm1d(4), params, buffers)
+    params, buffers = functx.stack_module_state([nn.BatchNorm1d(4) for _ in range(2)])
+    buffers["num_batches_tracked"] = torch.tensor(0)
+    with pytest.raises(ValueError, match=r"'num_batches_tracked' is \(\), torch.int64 in the template but a 0-dim tensor"):
+        Ensemble.from_state(nn.BatchNorm1d(4), params, buffers)
+    # a matching state builds, and so does one whose template is a member of an ensemble
+    # (as shard_ensemble_state passes); an ensemble's `stacked` module (tensors with the
+    # member dim) is not a template
+    ensemble = Ensemble.from_state(nn.Linear(2, 2), *state)
+    params = {k: v[:2] for k, v in ensemble.stacked.named_parameters()}
+    assert len(Ensemble.from_state(ensemble.member(0), params, {})) == 2
+    with pytest.raises(ValueError, match=r"'weight' is \(3, 2, 2\), torch.float32 in the template but \(2, 2\)"):
+        Ensemble.from_state(ensemble.stacked, params, {})
+
+
 # ---- initialisation under vmap ----
 
 def uniform_checks(w, bound, *, rel=0.03):
@@ -279,6 +323,15 @@ def test_from_factory_builds_trainable_ensemble_of_distinct_members():
     assert_close(ensemble(x), expected, atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert all(p.grad is not None for p in ensemble.parameters())
+
+
+@pytest.mark.parametrize("n", [True, False, 0, -1, 2.0])
+def test_vmap_init_refuses_n_that_is_not_a_positive_int(n):
+    """A bool is an int to isinstance; vmap_init refuses it as it refuses 0."""
+    with pytest.raises(ValueError, match="vmap_init: n must be a positive int"):
+        vmap_init(nn.Linear(2, 2), n)
+    with pytest.raises(ValueError, match="vmap_init: n must be a positive int"):
+        Ensemble.from_factory(lambda: nn.Linear(2, 2), n)
 
 
 def test_vmap_init_reassigned_parameters_and_no_per_member_loop():

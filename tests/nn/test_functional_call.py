@@ -593,6 +593,14 @@ def test_exception_in_a_thread_leaves_the_module_as_it_was():
         (lambda: functx.functional_call([nn.Linear(1, 1)], {}, (torch.ones(1),)), ["functional_call", "list"]),
         (lambda: functx.replace_all_batch_norm_modules_(3), ["replace_all_batch_norm_modules_", "int"]),
         (lambda: functx.nn.replace_all_batch_norm_modules_(lambda x: x), ["replace_all_batch_norm_modules_", "function"]),
+        (lambda: functx.make_functional(lambda x: x), ["make_functional", "function"]),
+        (lambda: functx.make_functional([nn.Linear(1, 1)]), ["make_functional", "list"]),
+        (lambda: functx.make_functional_with_buffers([nn.Linear(1, 1)]), ["make_functional_with_buffers", "list"]),
+        (lambda: functx.make_functional_with_buffers(lambda x: x), ["make_functional_with_buffers", "function"]),
+        (lambda: functx.nn.vmap_init(lambda x: x, 2), ["vmap_init", "function"]),
+        (lambda: functx.nn.vmap_init([nn.Linear(1, 1)], 2), ["vmap_init", "list"]),
+        (lambda: functx.nn.Ensemble.from_state([nn.Linear(1, 1)], {}, {}), ["Ensemble.from_state", "list"]),
+        (lambda: functx.nn.Ensemble.from_factory(lambda: [nn.Linear(1, 1)], 2), ["Ensemble.from_factory", "list"]),
     ],
 )
 def test_something_that_is_not_a_module_is_a_clear_type_error(call, names):

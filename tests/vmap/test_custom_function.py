@@ -594,3 +594,47 @@ def test_generated_vmap_rule_of_a_jvp_returning_none_for_an_integer_output():
         with fwAD.dual_level():
             expected.append(fwAD.unpack_dual(torch.sort(fwAD.make_dual(v, t), dim=-1)[0]).tangent)
     torch.testing.assert_close(got, torch.stack(expected))
+
+
+def test_old_style_function_follows_the_fallback_setting():
+    """`set_vmap_fallback` holds for old-style Functions as for ops without a rule: "silent"
+    runs them per sample without a warning, "error" refuses them (both used to warn once
+    and run per sample)."""
+    x = torch.randn(5, 4, dtype=D) * 2
+    custom_function._warned.discard(OldStyleSTE)
+    with functx.vmap_fallback("silent"), warnings.catch_warnings():
+        warnings.simplefilter("error", functx.PerformanceWarning)
+        torch.testing.assert_close(functx.vmap(OldStyleSTE.apply)(x), loop(OldStyleSTE.apply, x))
+    assert OldStyleSTE not in custom_function._warned  # so "warn" still warns once, later
+    with functx.vmap_fallback("error"):
+        with pytest.raises(NotImplementedError, match="OldStyleSTE is an old-style.*fallback is switched off"):
+            functx.vmap(OldStyleSTE.apply)(x)
+    assert functx.core.current_stack() == ()
+    with pytest.warns(functx.PerformanceWarning, match="OldStyleSTE is an old-style"):
+        torch.testing.assert_close(functx.vmap(OldStyleSTE.apply)(x), loop(OldStyleSTE.apply, x))
+
+
+class _OldStyleKeywordAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y=None):
+        return x + (0 if y is None else y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_old_style_function_refuses_tensors_passed_by_keyword():
+    """The per-sample loop slices positional arguments only: a batched tensor passed by
+    keyword went whole to each sample's forward, and a BatchedTensor of the wrong shape
+    escaped. Refused, as for new-style Functions (torch.func's error)."""
+    x, y = torch.randn(2, 3, dtype=D), torch.randn(2, 3, dtype=D)
+    with pytest.raises(NotImplementedError, match="kwarg-only Tensor"):
+        functx.vmap(lambda x, y: _OldStyleKeywordAdd.apply(x, y=y))(x, y)
+    assert functx.core.current_stack() == ()
+    with functx.vmap_fallback("silent"):  # by position it runs per sample
+        out = functx.vmap(lambda x, y: _OldStyleKeywordAdd.apply(x, y))(x, y)
+        torch.testing.assert_close(out, loop(lambda a, b: _OldStyleKeywordAdd.apply(a, b), x, y))
+        # an unbatched tensor by keyword is the same in every sample's call: allowed
+        out = functx.vmap(lambda x: _OldStyleKeywordAdd.apply(x, y=y[0]))(x)
+        torch.testing.assert_close(out, loop(lambda a: _OldStyleKeywordAdd.apply(a, y=y[0]), x))

@@ -14,10 +14,11 @@ import importlib
 
 import torch
 
+from ...core.errors import op_name
 from ...core.rules import decomposition_for
 from ..batched_tensor import VMAP_RULES
 from ..fallback import loop_fallback
-from .user_rules import REGISTERED, user_rule
+from .user_rules import REGISTERED, run_user_rule
 
 
 def _torch_registered_rule(op):
@@ -47,19 +48,30 @@ _RULES_IMPORTED_ON_USE = {
 
 
 def _user_op_rule(op):
-    """The user's rule for `op`, looked up again on every call until there is one (rules
-    may be registered after the op's first vmap), else the per-sample loop."""
+    """The user's rule for `op`, else the per-sample loop. Looked up at every call, not
+    kept: a rule may be registered after the op's first vmap, or registered again (with
+    `functx.library.register_vmap` or `torch.library.register_vmap`) to replace the one
+    before, and every level's resolved handler of `op` (core/rules.py `lookup`, under a
+    direct AD level's overrides too) is this function."""
     loop = loop_fallback(op)
+    imported_on_use = _RULES_IMPORTED_ON_USE.get(op.namespace)
 
     def rule(interp, *args, **kwargs):
-        if op not in REGISTERED and op.namespace in _RULES_IMPORTED_ON_USE:
-            importlib.import_module(_RULES_IMPORTED_ON_USE[op.namespace])
-        func = REGISTERED.get(op) or _torch_registered_rule(op)
+        func = REGISTERED.get(op)
+        if func is None and imported_on_use is not None:
+            importlib.import_module(imported_on_use)
+            func = REGISTERED.get(op)
         if func is None:
-            return loop(interp, *args, **kwargs)
-        found = user_rule(func)
-        VMAP_RULES.set(op, found)
-        return found(interp, *args, **kwargs)
+            func = _torch_registered_rule(op)
+            if func is None:
+                return loop(interp, *args, **kwargs)
+            if not callable(func):  # torch.library.register_vmap does not check
+                raise TypeError(
+                    f"functx.vmap: the vmap rule given to torch.library.register_vmap for "
+                    f"{op_name(op)} is not callable: got {type(func).__name__}. Register a function "
+                    f"rule(info, in_dims, *args, **kwargs) -> (output, out_dims)."
+                )
+        return run_user_rule(op, func, interp, args, kwargs)
 
     return rule
 
