@@ -14,10 +14,14 @@ Fails (exit 1, naming them) when
 - a directive names an object by a path that is also a submodule's (`::: functx.vmap`: the
   function at run time, the package functx/vmap/ to the docs generator, which reads the
   source), so the page would show the module;
-- a name with a full reference entry (`FULL_REFERENCE`: the nine core transforms, functional_call, stack_module_state, functionalize, jit, jet, the three Laplacians, rearrange, set_vmap_fallback and explain so far)
-  lacks one of its sections: Args (every parameter named, with its type), Returns, Raises
-  (linking the error catalogue), Examples (at least two `>>>` lines that call it), and
-  "Differences from torch.func". The other names are listed as still to write.
+- a public function or class lacks a section of its reference entry (issue 32):
+  functions: Args (every parameter named, with its type), Returns, Raises (linking the
+  error catalogue), Examples (at least two `>>>` lines that call it) and "Differences from
+  torch.func"; classes: the same without Returns (Args: the constructor's parameters);
+  warning and exception classes: Examples (two `>>>` lines naming it) and "Differences
+  from torch.func" (they take no arguments, return and raise nothing); a class whose
+  constructor takes no arguments (a namespace) needs two example lines naming it, not
+  calling it.
 
 Run: .venv/bin/python scripts/check_docs_api.py
 """
@@ -61,29 +65,49 @@ def public_api() -> dict[str, object]:
     return api
 
 
-# Names whose docstrings are full reference entries (issue 32); the rest get theirs next.
-FULL_REFERENCE = ("vmap", "grad", "grad_and_value", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "functional_call", "functionalize", "jit", "stack_module_state", "jet", "laplacian", "weighted_laplacian", "bilaplacian", "rearrange", "set_vmap_fallback", "explain")
 SECTIONS = ("Args:", "Returns:", "Raises:", "Examples:", "Differences from torch.func")
 
 
+def _sections_for(obj: object) -> tuple[str, ...]:
+    """The sections a reference entry for `obj` must have."""
+    if inspect.isclass(obj) and issubclass(obj, BaseException):
+        return ("Examples:", "Differences from torch.func")
+    if inspect.isclass(obj):
+        return tuple(s for s in SECTIONS if s != "Returns:")
+    return SECTIONS
+
+
+def _parameters(obj: object) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):  # a builtin's constructor
+        return []
+
+
 def reference_gaps(name: str, obj: object) -> list[str]:
-    """What the full reference entry of `obj` lacks (empty: complete)."""
+    """What the reference entry of `obj` (public as `name`) lacks (empty: complete)."""
     doc = inspect.getdoc(obj) or ""
-    gaps = [f"no '{section}' section" for section in SECTIONS if section not in doc]
+    sections = _sections_for(obj)
+    parameters = [p for p in _parameters(obj) if not p.name.startswith("_")] if "Args:" in sections else []
+    if not parameters and inspect.isclass(obj):
+        sections = tuple(s for s in sections if s != "Args:")  # nothing to construct it from
+    gaps = [f"no '{section}' section" for section in sections if section not in doc]
     if "Args:" in doc:
-        args = doc.split("Args:", 1)[1].split("Returns:", 1)[0]
-        for parameter in inspect.signature(obj).parameters.values():
-            if parameter.name.startswith("_"):
-                continue
+        args = re.split(r"^\s*(?:Returns|Raises|Examples|Attributes|Methods):", doc.split("Args:", 1)[1], maxsplit=1, flags=re.M)[0]
+        for parameter in parameters:
             stars = {parameter.VAR_POSITIONAL: "*", parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
             shown = stars + parameter.name
             if not re.search(rf"^\s+{re.escape(shown)} \(", args, re.M):
                 gaps.append(f"Args: no entry '{shown} (type...)' for parameter {parameter.name}")
-    if "Raises:" in doc and "errors.md" not in doc.split("Raises:", 1)[1]:
+    if "Raises:" in sections and "Raises:" in doc and "errors.md" not in doc.split("Raises:", 1)[1]:
         gaps.append("Raises: no link to the error catalogue (errors.md)")
-    calls = [line for line in doc.splitlines() if line.lstrip().startswith(">>>") and f"{name.rpartition('.')[2]}(" in line]
+    short = name.rpartition(".")[2]
+    # a class that takes nothing (a warning, a namespace of policies) is named, not called
+    named_only = inspect.isclass(obj) and (issubclass(obj, BaseException) or not _parameters(obj))
+    called = short if named_only else f"{short}("
+    calls = [line for line in doc.splitlines() if line.lstrip().startswith(">>>") and called in line]
     if len(calls) < 2:
-        gaps.append(f"Examples: {len(calls)} example lines call it (at least 2)")
+        gaps.append(f"Examples: {len(calls)} example lines {'call' if called.endswith('(') else 'name'} it (at least 2)")
     return gaps
 
 
@@ -135,17 +159,17 @@ def main() -> int:
         print(f"no runnable example ('>>>') in the docstring of {name}")
     for name in shadowed:
         print(f"a '::: ' directive would render a submodule, not the object of that name: {name}")
-    incomplete = {name: reference_gaps(name, api[f"functx.{name}"]) for name in FULL_REFERENCE}
+    entries = {id(obj): name for name, obj in api.items() if inspect.isfunction(obj) or inspect.isclass(obj)}
+    incomplete = {name: reference_gaps(name, api[name]) for name in sorted(entries.values())}
     for name, gaps in incomplete.items():
         for gap in gaps:
-            print(f"functx.{name}'s reference entry: {gap}")
+            print(f"{name}'s reference entry: {gap}")
     if missing or no_example or shadowed or any(incomplete.values()):
         return 1
-    to_write = len([n for n, o in api.items() if (inspect.isfunction(o) or inspect.isclass(o)) and n.rpartition(".")[2] not in FULL_REFERENCE])
     print(
-        f"docs API check: {len(api)} public names, all in the reference, all with examples; "
-        f"{len(FULL_REFERENCE)} full reference entries (Args, Returns, Raises, Examples, Differences), "
-        f"{to_write} functions and classes still to write"
+        f"docs API check: {len(api)} public names, all in the reference; {len(entries)} functions "
+        f"and classes, each with a full reference entry (Args, Returns, Raises, Examples, "
+        f"Differences from torch.func)"
     )
     return 0
 

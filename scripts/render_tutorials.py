@@ -5,7 +5,14 @@ A tutorial is a script in the "percent" format: its module docstring introduces 
 the docstring (its first line the title), then the cells in order: markdown as markdown,
 code as Python blocks. After the cell that saves a figure (`save(fig, out, "name.png",
 "what you should see")`), the figure is shown when docs/images/ holds a copy of it, else a
-note says where running the tutorial writes it. Nothing is executed.
+note says where running the tutorial writes it.
+
+What the script prints is captured at build time: each tutorial runs once in its quick mode
+(`--quick`, the sizes CI runs), with `print` recorded together with the tutorial's line that
+printed it (the innermost line of the tutorial on the stack: a print in `_common.py` counts
+where the tutorial called it), and each code cell is followed by what its lines printed. A
+tutorial that fails fails the build. `FUNCTX_DOCS_RUN_TUTORIALS=0` skips the runs (a faster
+local preview; the pages then say that no output was captured).
 
 mkdocs runs this script through the gen-files plugin (mkdocs.yml), so the pages are made
 at build time from the current scripts. On its own it writes the pages into a folder:
@@ -16,13 +23,74 @@ at build time from the current scripts. On its own it writes the pages into a fo
 from __future__ import annotations
 
 import ast
+import concurrent.futures
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
 IMAGES = ROOT / "docs" / "images"
 CELL = re.compile(r"^[ \t]*# %%(?P<markdown>[ \t]*\[markdown\])?[ \t]*$")
+
+
+# Put first on the tutorial's PYTHONPATH as sitecustomize.py, so that every process of the run
+# records its prints (the distributed tutorial's ranks are processes of their own).
+RECORDER = """\
+import builtins, json, os, sys, time
+_print = builtins.print
+_script = os.environ["FUNCTX_RECORD_SCRIPT"]
+_log = os.path.join(os.environ["FUNCTX_RECORD_DIR"], f"{os.getpid()}.jsonl")
+
+
+def _recording_print(*args, sep=None, end=None, file=None, flush=False):
+    if file is None or file is sys.stdout:
+        text = (" " if sep is None else sep).join(map(str, args)) + ("\\n" if end is None else end)
+        line, frame = 0, sys._getframe(1)
+        while frame is not None and not line:  # the innermost line of the tutorial running
+            if frame.f_code.co_filename == _script:
+                line = frame.f_lineno
+            frame = frame.f_back
+        with open(_log, "a", encoding="utf-8") as log:
+            log.write(json.dumps([time.time(), line, text]) + "\\n")
+    _print(*args, sep=sep, end=end, file=file, flush=flush)
+
+
+builtins.print = _recording_print
+"""
+
+
+def printed(path: Path, timeout: float = 600.0) -> list[tuple[int, str]]:
+    """(line of the tutorial, text) of every print of one `--quick` run of the tutorial at
+    `path`, in the order printed. Raises RuntimeError (with the end of its stderr) when the
+    run fails."""
+    path = path.resolve()
+    with tempfile.TemporaryDirectory(prefix=f"functx-{path.stem}-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "site").mkdir()
+        (tmp / "log").mkdir()
+        (tmp / "site" / "sitecustomize.py").write_text(RECORDER, encoding="utf-8")
+        out = tmp / "out"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp / "site"), os.environ.get("PYTHONPATH")])),
+            "FUNCTX_RECORD_SCRIPT": str(path),
+            "FUNCTX_RECORD_DIR": str(tmp / "log"),
+        }
+        result = subprocess.run(
+            [sys.executable, str(path), "--quick", "--out", str(out)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"tutorials/{path.name} failed while its output was captured "
+                               f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
+        records = [json.loads(row) for log in (tmp / "log").glob("*.jsonl") for row in log.read_text(encoding="utf-8").splitlines()]
+    shown_out = f"tutorials/out/{path.stem}"
+    return [(line, text.replace(str(out), shown_out)) for _, line, text in sorted(records, key=lambda r: r[0])]
 
 
 def _dedent(lines: list[str]) -> list[str]:
@@ -126,8 +194,14 @@ def _figure_block(name: str, filename: str, what: str) -> str:
     )
 
 
-def render(path: Path) -> str:
-    """The markdown page of one tutorial script."""
+def _output_block(texts: list[str]) -> str:
+    text = "".join(texts).strip("\n")
+    return "*Printed (the `--quick` run, when this site was built):*\n\n```text\n" + text + "\n```"
+
+
+def render(path: Path, output: list[tuple[int, str]] | None = None) -> str:
+    """The markdown page of one tutorial script; `output`: what it printed (`printed(path)`),
+    shown after the code cells that printed it (None: not captured)."""
     source = path.read_text(encoding="utf-8")
     tree = ast.parse(source)
     name = path.stem
@@ -153,7 +227,11 @@ def render(path: Path) -> str:
         f"    This page is the script `tutorials/{name}.py` rendered as it is; "
         f"run it with `.venv/bin/python tutorials/{name}.py` (add `--quick` for a few-second run) "
         f"after `.venv/bin/pip install -e '.[tutorials]'`. It prints what it measures and "
-        f"writes its figures to `tutorials/out/{name}/`.",
+        f"writes its figures to `tutorials/out/{name}/`. "
+        + ("What it printed in its `--quick` run when this site was built follows each cell "
+           "(tiny sizes: the numbers of a full run differ; timings are of the machine that "
+           "built the site)." if output is not None else
+           "This build did not run the tutorials (`FUNCTX_DOCS_RUN_TUTORIALS=0`), so no output is shown."),
         intro,
     ]
     for index, (kind, first_line, body) in enumerate(cells):
@@ -166,6 +244,9 @@ def render(path: Path) -> str:
         code = _dedent(body)
         if code:
             parts.append("```python\n" + "\n".join(code) + "\n```")
+        cell_output = [text for line, text in output or () if first_line <= line <= last_line]
+        if cell_output:
+            parts.append(_output_block(cell_output))
         for line, filename, what in figures:
             if first_line <= line <= last_line:
                 parts.append(_figure_block(name, filename, what))
@@ -177,7 +258,12 @@ def pages() -> dict[str, str]:
     `_` helpers). mkdocs.yml's nav lists them: a tutorial missing there fails the strict
     build (`validation: omitted_files: warn`)."""
     scripts = sorted(p for p in TUTORIALS.glob("*.py") if not p.name.startswith("_"))
-    return {f"tutorials/{p.stem}.md": render(p) for p in scripts}
+    if os.environ.get("FUNCTX_DOCS_RUN_TUTORIALS", "1") == "0":
+        outputs: list[list[tuple[int, str]] | None] = [None] * len(scripts)
+    else:  # two at a time: each pins its own threads
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            outputs = list(pool.map(printed, scripts))
+    return {f"tutorials/{p.stem}.md": render(p, out) for p, out in zip(scripts, outputs)}
 
 
 if __name__ == "<run_path>":  # run by mkdocs-gen-files during `mkdocs build` / `mkdocs serve`

@@ -37,3 +37,67 @@ def test_example_runs_quick_and_prints_what_it_measures(example):
     result = subprocess.run([sys.executable, str(example), "--quick"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{example.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "1 thread" in result.stdout and "median" in result.stdout, result.stdout
+
+
+# -- the tutorial pages show what the scripts print (scripts/render_tutorials.py) -------------
+
+TINY_TUTORIAL = '''"""A tiny tutorial: what its page shows of its output."""
+
+# %%
+import argparse
+import multiprocessing
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--quick", action="store_true")
+parser.add_argument("--out")
+args = parser.parse_args()
+
+
+def helper():
+    print("from the helper")
+
+
+def in_a_child():
+    print("from a child process")
+
+# %% [markdown]
+# Some text.
+
+# %%
+def main():
+    print("from main, quick" if args.quick else "from main, full")
+    helper()
+
+# %%
+if __name__ == "__main__":
+    main()
+    process = multiprocessing.get_context("spawn").Process(target=in_a_child)
+    process.start()
+    process.join()
+    print("the end:", 2 + 2)
+'''
+
+
+def test_a_tutorial_page_shows_what_each_cell_printed(tmp_path):
+    """Captured at build time in the quick mode: each print under the cell of the line that
+    printed it (a child process's too), in order; a failing tutorial fails the render."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import render_tutorials
+
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_TUTORIAL)
+    output = render_tutorials.printed(script)
+    assert [text for _, text in output] == ["from main, quick\n", "from the helper\n", "from a child process\n", "the end: 4\n"]
+    page = render_tutorials.render(script, output)
+    blocks = page.split("```python")
+    assert len(blocks) == 4  # the three code cells
+    first, second, third = blocks[1:]
+    assert "from the helper" in first and "from a child process" in first
+    assert "from main, quick" in second and "from the helper" not in second
+    assert "the end: 4" in third and "from main" not in third
+    assert "*Printed (the `--quick` run" in first
+    assert "This build did not run the tutorials" in render_tutorials.render(script, None)
+
+    script.write_text(TINY_TUTORIAL.replace('print("the end:", 2 + 2)', "raise SystemExit(3)"))
+    with pytest.raises(RuntimeError, match="tiny.py failed"):
+        render_tutorials.printed(script)

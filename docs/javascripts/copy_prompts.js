@@ -12,7 +12,7 @@ function copyableText(text) {
 }
 
 function stripPromptsFromCopyButtons() {
-  var buttons = document.querySelectorAll("button.md-clipboard[data-clipboard-target]");
+  var buttons = document.querySelectorAll("button[data-clipboard-target]");
   buttons.forEach(function (button) {
     var code = document.querySelector(button.getAttribute("data-clipboard-target"));
     if (code) {

@@ -138,25 +138,47 @@ _RANK = {
 # -- recording which aten ops reached vmap ------------------------------------------------
 class record_vmap_ops:
     """Record every aten op that reached a vmap level (including ops of decompositions),
-    by shadowing `VMAP_RULES.handler` for the duration of the block."""
+    by shadowing `VMAP_RULES.lookup` (how a vmap level finds its handlers) and
+    `VMAP_RULES.handler` (how templates find a functional op's) for the duration of the
+    block: vmap levels made inside it see every op through the recorder.
+
+        >>> import torch, functx
+        >>> from functx.vmap.batched_tensor import VMAP_RULES
+        >>> seen = {}
+        >>> with record_vmap_ops(seen):
+        ...     _ = functx.vmap(torch.sin)(torch.ones(2, 3))
+        >>> seen[torch.ops.aten.sin.default] == VMAP_RULES.how(torch.ops.aten.sin.default)
+        True
+    """
 
     def __init__(self, into: dict):
         self.into = into
 
+    def _record(self, op):
+        if op not in self.into:
+            self.into[op] = VMAP_RULES.how(op)
+
     def __enter__(self):
-        original = VMAP_RULES.handler
-        seen = self.into
+        lookup, handler = VMAP_RULES.lookup, VMAP_RULES.handler
 
-        def handler(op):
-            if op not in seen:
-                seen[op] = VMAP_RULES.how(op)
-            return original(op)
+        def recording_lookup(*args, **kwargs):
+            inner = lookup(*args, **kwargs)
 
-        VMAP_RULES.handler = handler
+            def recording(op):
+                self._record(op)
+                return inner(op)
+
+            return recording
+
+        def recording_handler(op):
+            self._record(op)
+            return handler(op)
+
+        VMAP_RULES.lookup, VMAP_RULES.handler = recording_lookup, recording_handler
         return self
 
     def __exit__(self, *exc):
-        del VMAP_RULES.handler  # the class method shows through again
+        del VMAP_RULES.lookup, VMAP_RULES.handler  # the class's methods show through again
 
 
 # -- samples ---------------------------------------------------------------------------
