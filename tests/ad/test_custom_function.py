@@ -759,3 +759,25 @@ def test_forward_over_reverse_of_a_function_whose_derivatives_apply_functions():
     expected = torch.autograd.functional.jvp(lambda v: torch.autograd.functional.jvp(jac, v, t, create_graph=True)[1], x, s)[1]
     torch.testing.assert_close(got, expected)
     assert functx.core.current_stack() == ()
+
+
+@pytest.mark.xfail(strict=True, reason="OPEN BUG (found session 29, also in torch.func): vmap(jvp(jvp)) of a "
+                   "Function whose jvp applies a Function (NestedFn) misses part of the second-order term")
+def test_vmap_of_jvp_of_jvp_of_a_function_whose_jvp_applies_a_function():
+    """vmap(jvp(jvp(f))) with f = sin(NestedFn(x, x)) (= sin(x*x + sin x)), whose jvp applies
+    `_Product`, against the same stack over the plain math (torch.func on plain torch ops).
+    Without vmap functx is right; under vmap it gives torch.func's value for the Function,
+    which is wrong too (a 2,000-example fuzz run found it: the fuzzer's `nested` family under
+    [vmap, jvp, jvp])."""
+    from tests.ad.fuzz_functions import NestedFn
+
+    generator = torch.Generator().manual_seed(0)
+    x, t1, t2 = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((1, 3), (3,), (3,)))
+
+    def second_order(lib, f):
+        inner = lambda x: lib.jvp(f, (x,), (t1,))[1]
+        return lambda x: lib.jvp(inner, (x,), (t2,))[1]
+
+    expected = tf.vmap(second_order(tf, lambda x: torch.sin(x * x + torch.sin(x))))(x)
+    got = functx.vmap(second_order(functx, lambda x: torch.sin(NestedFn.apply(x, x))))(x)
+    torch.testing.assert_close(got, expected)
