@@ -515,6 +515,11 @@ def jvp(func: Function, primals: Any, tangents: Any, *, strict: bool = False, ha
     return _jvp_call(func, primals, tangents, strict, has_aux)
 
 
+def _zeros_where_none(flat_out, flat_tangent_out):
+    """The output tangents, a zero tangent where an output does not depend on the primals."""
+    return [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
+
+
 def _jvp_call(func, primals, tangents, strict, has_aux):
     """`jvp(func, primals, tangents, strict=..., has_aux=...)`."""
     flat_tangents = _check_primals_tangents(primals, tangents, _JVP)
@@ -524,7 +529,7 @@ def _jvp_call(func, primals, tangents, strict, has_aux):
             "jvp(f, primals, tangents, strict=True): The output of f is independent of the inputs. "
             "This is not allowed with strict=True."
         )
-    flat_tangent_out = [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
+    flat_tangent_out = _zeros_where_none(flat_out, flat_tangent_out)
     output = pytree.tree_unflatten(out_spec, flat_out)
     tangent_out = pytree.tree_unflatten(out_spec, flat_tangent_out)
     return (output, tangent_out, aux) if has_aux else (output, tangent_out)
@@ -646,7 +651,7 @@ def _linearize_call(func, primals):
 
         def tangent_map(flat_tangents):
             flat_out, flat_tangent_out, _, _ = _jvp_flat(func, primals, flat_tangents, False, api)
-            return [torch.zeros_like(o) if t is None else t for o, t in zip(flat_out, flat_tangent_out)]
+            return _zeros_where_none(flat_out, flat_tangent_out)
 
     @user_facing
     def jvp_fn(*tangents):

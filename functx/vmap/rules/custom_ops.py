@@ -24,8 +24,7 @@ from .user_rules import REGISTERED, run_user_rule
 def _torch_registered_rule(op):
     """The rule given to `torch.library.register_vmap` for a `torch.library.custom_op`."""
     opdefs = getattr(getattr(torch._library, "custom_ops", None), "OPDEFS", {})
-    namespace, _, name = op._schema.name.partition("::")
-    opdef = opdefs.get(f"{namespace}::{name}")
+    opdef = opdefs.get(op._schema.name)  # "namespace::name", as OPDEFS keys them
     return getattr(opdef, "_vmap_fn", None) if opdef is not None else None
 
 
